@@ -1,0 +1,137 @@
+"""A device mesh laid over the two networks of a GPU cluster.
+
+Each mesh axis (data, fsdp, tensor) is split into a part inside a node, where the GPUs
+share NVLink, and a part across nodes, over InfiniBand. Axes are placed innermost
+first - tensor, then fsdp, then data - because tensor parallelism sends the most bytes
+per step and data parallelism the fewest, so the fastest network goes to the most
+demanding axis (the Megatron-LM and MaxText convention).
+
+On a multi-process run the process is the node (`create_hybrid_device_mesh` with
+`process_is_granule=True`). On one host the local devices are grouped into emulated
+nodes, so the same two-level layout is exercised on CPU.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from errors import UserInputError
+
+AXES = ("data", "fsdp", "tensor")
+# Filled from the innermost (fastest network) axis outwards.
+_INNER_FIRST = ("tensor", "fsdp", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1    # -1: every device the other axes leave
+  fsdp: int = 1
+  tensor: int = 1
+  # Devices per node (the InfiniBand granule); 0: the local device count of one process
+  # on GPUs, half the devices (two emulated nodes) on a single host.
+  devices_per_node: int = 0
+  # Devices that share one NVLink domain; 0: a node (HGX). NVL72 racks span nodes.
+  nvlink_domain: int = 0
+  # Tensor parallelism over InfiniBand is almost always a mistake: refuse it unless asked.
+  allow_tensor_beyond_nvlink: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  """Axis sizes and how each splits over NVLink (inside a node) and InfiniBand."""
+  sizes: dict[str, int]
+  nvlink: dict[str, int]
+  infiniband: dict[str, int]
+  devices_per_node: int
+  nvlink_domain: int
+
+  @property
+  def devices(self) -> int:
+    return math.prod(self.sizes.values())
+
+  @property
+  def nodes(self) -> int:
+    return self.devices // self.devices_per_node
+
+  def describe(self) -> list[str]:
+    return [f"{axis:>6} {self.sizes[axis]:>5} = {self.nvlink[axis]} NVLink x "
+            f"{self.infiniband[axis]} InfiniBand" for axis in AXES]
+
+
+def default_devices_per_node(num_devices: int) -> int:
+  if jax.process_count() > 1:
+    return jax.local_device_count()
+  if jax.default_backend() == "cpu" and num_devices > 1 and num_devices % 2 == 0:
+    return num_devices // 2
+  return num_devices
+
+
+def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
+  """Resolve -1, check the sizes and split each axis over the two networks."""
+  sizes = {axis: getattr(cfg, axis) for axis in AXES}
+  for axis, size in sizes.items():
+    if size == 0 or size < -1:
+      raise UserInputError(f"mesh.{axis} must be a positive integer or -1, got {size}")
+  free = [axis for axis, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise UserInputError(f"mesh: only one axis may be -1, got {', '.join(free)}")
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if num_devices % fixed:
+      raise UserInputError(f"mesh.{free[0]}: the other axes ({fixed}) do not divide "
+                           f"the {num_devices} devices")
+    sizes[free[0]] = num_devices // fixed
+  if math.prod(sizes.values()) != num_devices:
+    raise UserInputError(f"mesh: data x fsdp x tensor = {math.prod(sizes.values())} "
+                         f"must equal the {num_devices} devices")
+
+  per_node = cfg.devices_per_node or default_devices_per_node(num_devices)
+  if per_node < 1 or num_devices % per_node:
+    raise UserInputError(f"mesh.devices_per_node must divide the {num_devices} devices, "
+                         f"got {per_node}")
+  domain = cfg.nvlink_domain or per_node
+  if domain % sizes["tensor"] and not cfg.allow_tensor_beyond_nvlink:
+    raise UserInputError(f"mesh.tensor {sizes['tensor']} does not fit in the NVLink domain "
+                         f"of {domain} devices (it must divide it); set "
+                         f"mesh.allow_tensor_beyond_nvlink=true if that is intended")
+
+  nvlink, remaining = {}, per_node
+  for axis in _INNER_FIRST:
+    nvlink[axis] = math.gcd(sizes[axis], remaining)
+    remaining //= nvlink[axis]
+  if remaining != 1:
+    raise UserInputError(f"mesh: the axes cannot tile a node of {per_node} devices "
+                         f"(data {sizes['data']}, fsdp {sizes['fsdp']}, tensor {sizes['tensor']})")
+  infiniband = {axis: sizes[axis] // nvlink[axis] for axis in AXES}
+  return MeshLayout(sizes, {a: nvlink[a] for a in AXES}, infiniband, per_node, domain)
+
+
+def device_grid(layout: MeshLayout, devices: Sequence) -> np.ndarray:
+  """Arrange devices, node after node, into the mesh's shape.
+
+  devices are ordered node-major: devices[n * per_node + i] is device i of node n.
+  Mesh coordinate along an axis = infiniband_index * nvlink_size + nvlink_index,
+  the same convention as `create_hybrid_device_mesh`.
+  """
+  outer = [layout.infiniband[a] for a in AXES]
+  inner = [layout.nvlink[a] for a in AXES]
+  grid = np.asarray(devices, dtype=object).reshape(outer + inner)  # [o_d, o_f, o_t, i_d, i_f, i_t]
+  n = len(AXES)
+  interleaved = [i for axis in range(n) for i in (axis, axis + n)]
+  return grid.transpose(interleaved).reshape([layout.sizes[a] for a in AXES])
+
+
+def build_mesh(layout: MeshLayout, devices: Sequence | None = None) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices()[:layout.devices])
+  if jax.process_count() > 1:
+    grid = mesh_utils.create_hybrid_device_mesh(
+        [layout.nvlink[a] for a in AXES], [layout.infiniband[a] for a in AXES],
+        devices, process_is_granule=True)
+  else:
+    grid = device_grid(layout, devices)
+  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -1,0 +1,55 @@
+"""Logical axis names -> mesh axes, kept as data.
+
+The model names every parameter and activation dimension with a logical axis; these
+rules decide which mesh axes shard it. Changing a parallelism strategy means changing
+this table, not the model.
+"""
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+RULES: tuple[tuple[str, MeshAxes], ...] = (
+    # Parameters.
+    ("vocab", "tensor"),      # embedding rows / logits columns: Megatron's vocab-parallel split
+    ("embed", "fsdp"),        # ZeRO-3 style: every weight is split over fsdp along d_model
+    ("heads", "tensor"),      # attention heads split across tensor-parallel ranks
+    ("mlp", "tensor"),        # the 4x hidden width split across tensor-parallel ranks
+    ("kv", None),             # head size: never split
+    ("qkv", None),            # the q/k/v selector
+    ("position", None),       # learned position rows
+    ("layers", None),         # the scanned layer stack (pipeline stages will take this)
+    # Activations.
+    ("batch", ("data", "fsdp")),
+    ("length", None),         # the sequence axis will take it with sequence parallelism
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+_RULES = dict(RULES)
+
+
+def spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
+  """PartitionSpec for a tuple of logical axis names."""
+  return PartitionSpec(*(None if name is None else _RULES[name] for name in logical_axes))
+
+
+def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
+  """Mesh axes that shard one logical axis (empty: replicated)."""
+  axes = _RULES[logical_axis]
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else axes
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Pin an activation's sharding inside jit; a no-op outside a mesh context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical_axes)))

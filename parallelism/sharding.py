@@ -1,0 +1,62 @@
+"""Shardings for any pytree whose leaves are NNX variables tagged with logical axes.
+
+Optax keeps its moments as copies of the parameter tree, NNX metadata included, so
+one function shards parameters and optimizer state alike. Untagged leaves (step
+counters) are replicated.
+"""
+
+import math
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from errors import UserInputError
+from parallelism import rules
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _axes(x: Any) -> tuple | None:
+  return x.get_metadata().get("axes") if _is_variable(x) else None
+
+
+def named_shardings(tree: Any, mesh: Mesh) -> Any:
+  """A tree of NamedShardings shaped like `tree` (variables keep their wrappers)."""
+  def leaf(x):
+    axes = _axes(x)
+    sharding = NamedSharding(mesh, rules.spec(axes) if axes else PartitionSpec())
+    return x.replace(sharding) if _is_variable(x) else sharding
+  return jax.tree.map(leaf, tree, is_leaf=_is_variable)
+
+
+# The configuration field behind each logical parameter axis, for error messages.
+_FIELD_OF_AXIS = {"heads": "model.num_heads", "embed": "model.d_model",
+                  "mlp": "model.d_model x 4 (MLP width)", "vocab": "padded model.vocab_size",
+                  "kv": "model.head_dim", "layers": "model.num_layers",
+                  "position": "model.seq_len"}
+
+
+def check_divisible(tree: Any, mesh: Mesh) -> None:
+  """Every sharded parameter dimension must split evenly over its mesh axes."""
+  def check(x):
+    for size, name in zip(x.shape, _axes(x) or ()):
+      mesh_axes = rules.mesh_axes_of(name) if name else ()
+      ways = math.prod(mesh.shape[a] for a in mesh_axes)
+      if size % ways:
+        raise UserInputError(
+            f"{_FIELD_OF_AXIS.get(name, name)} = {size} does not divide over mesh "
+            f"{' x '.join(mesh_axes)} = {ways}")
+  jax.tree.map(check, tree, is_leaf=_is_variable)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Token batches [B, T]: batch split over every data-parallel axis."""
+  return NamedSharding(mesh, rules.spec(("batch", "length")))
+
+
+def data_parallel_ways(mesh: Mesh) -> int:
+  return math.prod(mesh.shape[a] for a in rules.mesh_axes_of("batch"))

@@ -1,0 +1,76 @@
+"""launch.py as a user runs it: the default experiment, the results file, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_default_experiment_trains_and_appends_a_record(tmp_path):
+  out = launch(f"--output_dir={tmp_path}", "--steps=3")
+  assert out.returncode == 0, out.stderr
+  assert "2 nodes x 4" in out.stdout and "NVLink" in out.stdout and "InfiniBand" in out.stdout
+  assert "MFU" in out.stdout and "Traceback" not in out.stderr
+  assert "cuda" not in out.stderr.lower()
+  (record,) = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+  for key in ("mode", "experiment", "model", "params", "devices", "nodes", "mesh",
+              "global_batch", "seq_len", "compile_s", "step_time_s", "step_time_p90_s",
+              "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device",
+              "peak_tflops_per_device", "mfu", "losses"):
+    assert key in record, key
+  assert record["devices"] == 8 and record["nodes"] == 2
+  assert record["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert len(record["losses"]) == 3 + 2  # timed steps plus the untimed warm-up steps
+  assert 0 < record["mfu"] < 1
+
+
+def test_benchmark_on_fewer_devices_with_overrides(tmp_path):
+  out = launch(f"--output_dir={tmp_path}", "--mode=benchmark", "--devices=2", "--steps=2",
+               "--set", "model.num_layers=1", "--set", "mesh.fsdp=1", "--set", "mesh.tensor=1")
+  assert out.returncode == 0, out.stderr
+  (record,) = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+  assert record["mode"] == "benchmark" and "losses" not in record
+  assert record["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+
+
+def test_list_names_every_experiment():
+  out = launch("--list")
+  assert out.returncode == 0
+  for name in ("tiny", "gpt3", "cpu_char", "cpu_gpt2_small"):
+    assert name in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--experiment=nope"], "--experiment must be one of"),
+    (["--set", "model.num_layer=4"], "unknown key 'num_layer'"),
+    (["--set", "model.num_layers=four"], "model.num_layers: expected int"),
+    (["--set", "model.remat=some"], "model.remat must be one of"),
+    (["--set", "model=gpt3-9b"], "model must be one of"),
+    (["--set", "mesh.tensor"], "--set expects KEY=VALUE"),
+    (["--set", "mesh.data=3"], "must equal the 8 devices"),
+    (["--set", "mesh.fsdp=1", "--set", "mesh.tensor=8"], "does not fit in the NVLink domain"),
+    (["--set", "model.num_heads=3", "--set", "model.head_dim=16"], "model.num_heads = 3 does not divide"),
+    (["--set", "model.vocab_multiple=1", "--set", "model.vocab_size=255"], "padded model.vocab_size = 255"),
+    (["--set", "train.global_batch=6"], "train.global_batch = 6 does not divide"),
+    (["--steps=abc"], "--steps"),
+    (["--mode=fly"], "--mode"),
+    (["--devices=0"], "--devices"),
+    (["--experiment=gpt3", "--steps=1"], "needs"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+  out = launch(f"--output_dir={tmp_path}", *args)
+  assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1, out.stderr
+  assert message in lines[0]
+  assert not (tmp_path / "results.jsonl").exists()

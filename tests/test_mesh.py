@@ -1,0 +1,53 @@
+import jax
+import numpy as np
+import pytest
+
+from errors import UserInputError
+from parallelism.mesh import MeshConfig, build_mesh, plan
+
+
+def test_axes_fill_the_node_innermost_first():
+  layout = plan(MeshConfig(data=-1, fsdp=2, tensor=2), 8)
+  assert layout.sizes == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert layout.nodes == 2 and layout.devices_per_node == 4
+  assert layout.nvlink == {"data": 1, "fsdp": 2, "tensor": 2}
+  assert layout.infiniband == {"data": 2, "fsdp": 1, "tensor": 1}
+
+
+def test_an_axis_can_span_both_networks():
+  layout = plan(MeshConfig(data=1, fsdp=8, tensor=1), 8)
+  assert (layout.nvlink["fsdp"], layout.infiniband["fsdp"]) == (4, 2)
+
+
+def test_mesh_places_data_across_emulated_nodes():
+  layout = plan(MeshConfig(data=2, fsdp=2, tensor=2), 8)
+  mesh = build_mesh(layout)
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  node = ids // layout.devices_per_node
+  # Moving along data changes node; moving along fsdp or tensor stays inside one.
+  assert (node[0] == 0).all() and (node[1] == 1).all()
+  assert mesh.axis_names == ("data", "fsdp", "tensor")
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_nvl72_domain_allows_tensor_across_nodes():
+  layout = plan(MeshConfig(data=1, fsdp=1, tensor=8, devices_per_node=4, nvlink_domain=8), 8)
+  assert layout.sizes["tensor"] == 8 and layout.infiniband["tensor"] == 2
+
+
+@pytest.mark.parametrize("cfg, devices, message", [
+    (MeshConfig(data=3, fsdp=1, tensor=1), 8, "must equal the 8 devices"),
+    (MeshConfig(data=-1, fsdp=-1), 8, "only one axis may be -1"),
+    (MeshConfig(data=-1, fsdp=3), 8, "do not divide"),
+    (MeshConfig(data=1, fsdp=1, tensor=8), 8, "mesh.tensor 8 does not fit in the NVLink domain of 4"),
+    (MeshConfig(data=0), 8, "mesh.data must be a positive integer"),
+    (MeshConfig(devices_per_node=3), 8, "mesh.devices_per_node must divide"),
+])
+def test_bad_meshes_are_refused_with_the_field(cfg, devices, message):
+  with pytest.raises(UserInputError, match=message):
+    plan(cfg, devices)
+
+
+def test_tensor_beyond_nvlink_when_asked():
+  layout = plan(MeshConfig(data=1, fsdp=1, tensor=8, allow_tensor_beyond_nvlink=True), 8)
+  assert layout.infiniband["tensor"] == 2

@@ -1,0 +1,37 @@
+"""Training configuration: batch, schedule and optimizer settings."""
+
+import dataclasses
+
+from errors import UserInputError
+
+TASKS = ("synthetic", "learnable")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  global_batch: int = 16        # sequences per step, over all devices
+  steps: int = 10               # timed / trained steps
+  warmup_steps: int = 2         # excluded from timing (compilation caches, allocators)
+  learning_rate: float = 3e-4
+  lr_warmup_steps: int = 2
+  lr_decay_steps: int = 0       # 0: decay over `steps`
+  min_lr_ratio: float = 0.1     # GPT-3 decays to 10% of the peak rate
+  weight_decay: float = 0.1
+  beta1: float = 0.9
+  beta2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+  seed: int = 0
+  task: str = "synthetic"       # synthetic: uniform random tokens; learnable: see train/data.py
+
+  def validate(self) -> None:
+    for field in ("global_batch", "steps"):
+      if getattr(self, field) < 1:
+        raise UserInputError(f"train.{field} must be a positive integer, got {getattr(self, field)}")
+    for field in ("warmup_steps", "lr_warmup_steps", "lr_decay_steps"):
+      if getattr(self, field) < 0:
+        raise UserInputError(f"train.{field} must be >= 0, got {getattr(self, field)}")
+    if self.task not in TASKS:
+      raise UserInputError(f"train.task must be one of {', '.join(TASKS)}, got {self.task!r}")
+    if not self.learning_rate > 0:
+      raise UserInputError(f"train.learning_rate must be > 0, got {self.learning_rate}")

@@ -1,0 +1,95 @@
+"""The sharded train step: loss, gradients, AdamW update, all under one jit.
+
+Inputs and outputs carry explicit shardings derived from the logical-axis rules; the
+state is donated so parameters and moments are updated in place.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from errors import UserInputError
+from model.config import ModelConfig
+from model.gpt import GPT
+from parallelism import sharding
+from train.config import TrainConfig
+from train.optimizer import learning_rate_schedule, make_optimizer
+
+
+class TrainState(NamedTuple):
+  step: jax.Array       # int32 scalar
+  params: nnx.State     # model parameters, NNX variables carrying logical axes
+  opt_state: Any        # optax state; its moments mirror `params`
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token loss. logits [B, T, V] float32, targets [B, T] int32."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgram:
+  """Everything needed to initialise, lower and run the train step on one mesh."""
+  mesh: Mesh
+  init: Callable[[], TrainState]                  # jitted, sharded initialisation
+  step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # jitted train step
+  abstract_state: TrainState                      # shapes + shardings, nothing allocated
+  batch_sharding: NamedSharding
+
+  def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
+    return {"inputs": shape, "targets": shape}
+
+  def lower(self, global_batch: int, seq_len: int) -> jax.stages.Lowered:
+    with jax.set_mesh(self.mesh):
+      return self.step.lower(self.abstract_state, self.abstract_batch(global_batch, seq_len))
+
+
+def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainProgram:
+  model_cfg.validate()
+  train_cfg.validate()
+  tx = make_optimizer(train_cfg)
+  schedule = learning_rate_schedule(train_cfg)
+
+  def init() -> TrainState:
+    params = nnx.state(GPT(model_cfg, nnx.Rngs(train_cfg.seed)), nnx.Param)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+  abstract = jax.eval_shape(init)
+  sharding.check_divisible(abstract.params, mesh)
+  data_ways = sharding.data_parallel_ways(mesh)
+  if train_cfg.global_batch % data_ways:
+    raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
+                         f"mesh data x fsdp = {data_ways}")
+  state_shardings = sharding.named_shardings(abstract, mesh)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0))))
+  batch_sharding = sharding.batch_sharding(mesh)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def loss_fn(params):
+      logits = nnx.merge(graphdef, params)(batch["inputs"])
+      return cross_entropy(logits, batch["targets"])
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "learning_rate": schedule(state.step)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  abstract_state = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
+  return TrainProgram(
+      mesh=mesh,
+      init=jax.jit(init, out_shardings=state_shardings),
+      step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0),
+      abstract_state=abstract_state,
+      batch_sharding=batch_sharding)
