@@ -15,13 +15,20 @@ import sys
 import platform_env
 
 
+# Projection compiles a reduced mesh (model-parallel axes at full size) on host CPU
+# devices when it cannot compile for the GPU itself; this many cover GPT-3 175B's.
+PROJECTION_HOST_DEVICES = 512
+
+
 def _host_devices_from_argv(argv: list[str]) -> int:
-  """--devices must size the host platform before jax starts, so read it early."""
+  """The host platform is sized before jax starts, so --devices and --mode are read early."""
   for arg in argv:
     if arg.startswith("--devices="):
       value = arg.split("=", 1)[1]
       if value.isdigit() and int(value) > platform_env.DEFAULT_HOST_DEVICES:
         return int(value)
+    if arg == "--mode=project" and "--hardware=host" not in argv:
+      return PROJECTION_HOST_DEVICES
   return platform_env.DEFAULT_HOST_DEVICES
 
 
@@ -33,6 +40,7 @@ import datetime
 import math
 
 import jax
+import tqdm
 from absl import app, flags
 
 import experiments
@@ -40,21 +48,26 @@ from errors import UserInputError
 from experiments import overrides
 from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
+from projection import project
 from report import results, table
 from train import loop
 from train import step as train_step
 
-MODES = ("train", "benchmark")
+MODES = ("train", "benchmark", "project")
 
 _EXPERIMENT = flags.DEFINE_string("experiment", "tiny", "Experiment name: a file in experiments/.")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
 _MODE = flags.DEFINE_enum("mode", "train", MODES,
                           "train: run the experiment's task and record losses; "
-                          "benchmark: time the step on synthetic tokens.")
+                          "benchmark: time the step on synthetic tokens; "
+                          "project: compile for --hardware and cost it on --gpus GPUs.")
 _STEPS = flags.DEFINE_integer("steps", None, "Timed steps (overrides train.steps).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices", None, "Use the first N local devices (default: all).",
                                 lower_bound=1)
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs", "Where results.jsonl is appended.")
+_HARDWARE = flags.DEFINE_list("hardware", ["h100"], "project: hardware names "
+                              "(a100, h100, h200, b200, gb200, gb300, host), comma-separated.")
+_GPUS = flags.DEFINE_list("gpus", ["512"], "project: GPU counts, comma-separated.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override of a config field, repeatable "
                                  "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).")
 
@@ -155,6 +168,54 @@ def _print_record(record: dict) -> None:
   print(table.key_values(f"Result ({record['mode']})", rows))
 
 
+def _projection_points(exp: experiments.ExperimentConfig) -> list[tuple[str, int]]:
+  """Every (hardware, gpus) point, all checked before the first compile."""
+  counts = []
+  for text in _GPUS.value:
+    if not text.strip().isdigit() or int(text) < 1:
+      raise UserInputError(f"--gpus takes positive whole numbers, got {text!r}")
+    counts.append(int(text))
+  points = [(name.strip().lower(), gpus) for name in _HARDWARE.value for gpus in counts]
+  for name, gpus in points:
+    project.plan(exp, project.hardware(name), gpus)
+  return points
+
+
+def _run_projection(exp: experiments.ExperimentConfig) -> list[dict]:
+  points = _projection_points(exp)
+  records = []
+  progress = tqdm.tqdm(points, desc="projecting", unit="point", disable=len(points) < 2)
+  for name, gpus in progress:
+    progress.set_postfix_str(f"{name} x {gpus}")
+    record = project.project(exp, name, gpus)
+    record["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    results.append(_OUTPUT_DIR.value, record)
+    records.append(record)
+  return records
+
+
+def _print_projection(records: list[dict]) -> None:
+  headers = ("hardware", "gpus", "nodes", "data x fsdp x tensor", "step s", "tokens/s/GPU",
+             "MFU", "memory GB", "compute s", "exposed comm s", "other s", "compiled for")
+  rows = []
+  for r in records:
+    mesh = " x ".join(str(r["mesh"][a]) for a in mesh_lib.AXES)
+    memory = f"{r['memory_per_gpu_gb']:.1f} / {r['hbm_capacity_gb']:.0f}"
+    if r["fits"]:
+      b = r["breakdown"]
+      timing = (r["step_time_s"], f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", memory,
+                b["compute_s"], b["exposed_comm_s"], b["other_s"])
+    else:
+      timing = (f"does not fit: {r['over_capacity_gb']:.1f} GB over", "", "", memory, "", "", "")
+    rows.append((r["hardware"], r["gpus"], r["nodes"], mesh, *timing, r["compile_target"]))
+  first = records[0]
+  print(f"\n{first['experiment']}: {first['model']}, global batch {first['global_batch']} x "
+        f"{first['seq_len']} tokens, {first['compute_dtype']}, remat {first['remat']}")
+  print(table.columns(headers, rows))
+  for note in sorted({r["compile_note"] for r in records if r["compile_note"]}):
+    print(f"note: compiled on host CPU devices: {note}")
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise UserInputError(f"unexpected argument {argv[1]!r}; flags take the form --name=value")
@@ -163,6 +224,10 @@ def main(argv: list[str]) -> None:
       print(f"{name:<16} {experiments.load(name).description}")
     return
   exp = _experiment()
+  if _MODE.value == "project":
+    _print_projection(_run_projection(exp))
+    print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
+    return
   record = _run_measured(exp)
   path = results.append(_OUTPUT_DIR.value, record)
   _print_record(record)

@@ -49,7 +49,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "partition-id", "replica-id", "opt-barrier", "optimization-barrier", "add-dependency",
          "domain", "get-dimension-size", "async-update", "async-done", "copy-done"}
 # Ops that compute nothing (0 FLOPs) but may move data.
-_NO_FLOPS = _FREE | {"copy", "copy-start", "copy-done", "reshape", "broadcast", "transpose",
+_NO_FLOPS = _FREE | {"copy", "copy-start", "reshape", "broadcast", "transpose",
                      "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
                      "gather", "scatter", "iota", "reverse", "sort", "custom-call", "send",
                      "recv", "send-done", "recv-done", "bitcast-convert", "infeed", "outfeed",
@@ -71,6 +71,8 @@ class Compute:
   bytes_written: int
   dtype: str            # element type of the (first) output
   kind: str = ""        # fusion kind (kLoop, __triton_gemm, ...) or custom-call target
+  # Element type of the matmul inputs, "" if none: a bf16 gemm may output f32 (split-K).
+  dot_dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,16 @@ class _Analyzer:
       return 0.0, 0.0
     return float(_elems(ins.shape)), 0.0  # elementwise, transcendental, compare, select...
 
+  def dot_dtype(self, ins: _Instr, comp: _Comp) -> str:
+    """Element type of the first matmul's lhs, looking inside fusions."""
+    if ins.opcode == "fusion":
+      fused = self.comps[ins.attrs["calls"].lstrip("%")]
+      return next((t for t in (self.dot_dtype(i, fused) for i in fused.instrs) if t), "")
+    if ins.opcode in ("dot", "convolution", "custom-call") and ins.operands:
+      lhs = comp.by_name.get(ins.operands[0])
+      return _dtype(lhs.shape) if lhs and self.instr_flops(ins, comp)[1] else ""
+    return ""
+
   def comp_flops(self, name: str) -> tuple[float, float]:
     if name not in self._flops:
       comp = self.comps[name]
@@ -455,7 +467,7 @@ class _Analyzer:
         flops, dflops = self.instr_flops(ins, comp)
         read, written = self.instr_bytes(ins, comp)
         nodes.append(Compute(ins.name, op, flops, dflops, read, written, _dtype(ins.shape),
-                             _kind(ins)))
+                             _kind(ins), self.dot_dtype(ins, comp) if dflops else ""))
     return nodes
 
   def _collective(self, ins: _Instr, comp: _Comp) -> Collective | None:
@@ -496,7 +508,7 @@ class _Analyzer:
     """Match `iv < N` (or <=) where iv is a tuple element that starts at a constant."""
     cond = self.comps[ins.attrs["condition"].lstrip("%")]
     cmp_comp, cmp, outer = cond, cond.root, None
-    if cmp.opcode == "fusion":   # XLA CPU wraps the compare in a one-op fusion
+    if cmp is not None and cmp.opcode == "fusion":  # XLA CPU wraps the compare in a fusion
       cmp_comp, outer = self.comps[cmp.attrs["calls"].lstrip("%")], cmp
       cmp = cmp_comp.root
     if cmp is None or cmp.opcode != "compare" or len(cmp.operands) != 2:

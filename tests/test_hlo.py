@@ -30,6 +30,8 @@ def test_matmul_dot_flops_are_exact():
   program = hlo.analyze(compiled.as_text())
   assert hlo.dot_flops(program) == 2 * m * n * k
   assert hlo.total_flops(program) == compiled.cost_analysis()["flops"] == 2 * m * n * k
+  (dot,) = [n for n in program.entry if isinstance(n, hlo.Compute)]
+  assert dot.dot_dtype == "f32"
 
 
 def test_batched_dot_counts_batch_dims():
@@ -222,3 +224,21 @@ ENTRY %main (p: f32[8], q: f32[8]) -> (f32[8], f32[2]) {
   assert exp.flops == 8 and exp.bytes_read == 32 and exp.bytes_written == 32
   assert (rs.kind, rs.is_async, rs.done, rs.bytes) == ("reduce-scatter", True, "dn", 32)
   assert rs.groups == ((0, 1, 2, 3),)
+
+
+def test_cublas_gemm_custom_call_flops_from_backend_config():
+  # The form XLA GPU emits after autotuning picks cuBLAS (not seen deviceless, where Triton
+  # gemm fusions are used): result plus workspace, dimension numbers in backend_config.
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[4,64,32], b: bf16[4,32,16]) -> bf16[4,64,16] {
+  %a = bf16[4,64,32]{2,1,0} parameter(0)
+  %b = bf16[4,32,16]{2,1,0} parameter(1)
+  %g = (bf16[4,64,16]{2,1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]},"epilogue":"DEFAULT"}}
+  ROOT %r = bf16[4,64,16]{2,1,0} get-tuple-element(%g), index=0
+}
+"""
+  (gemm,) = hlo.analyze(text).entry
+  assert gemm.kind == "__cublas$gemm" and gemm.dtype == gemm.dot_dtype == "bf16"
+  assert gemm.dot_flops == gemm.flops == 2 * 4 * 64 * 16 * 32
+  assert gemm.bytes_read == (4 * 64 * 32 + 4 * 32 * 16) * 2

@@ -39,6 +39,8 @@ def test_every_target_compiles_a_sharded_matmul(hardware):
   assert compiled.memory_analysis() is not None
   program = hlo.analyze(compiled.as_text())
   assert hlo.dot_flops(program) == 2 * (512 // 2) * 256 * (1024 // 4)
+  gemms = [n for n, _ in hlo.walk(program) if isinstance(n, hlo.Compute) and n.dot_flops]
+  assert gemms and all(g.dot_dtype == "bf16" for g in gemms)
 
 
 def test_h100_program_has_async_collectives_and_memory_analysis():

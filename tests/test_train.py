@@ -42,15 +42,17 @@ def single_device():
   return _train(_program(MeshConfig(data=1), 1), steps=3)
 
 
-@pytest.mark.parametrize("mesh_cfg", [
-    MeshConfig(data=8, fsdp=1, tensor=1),
-    MeshConfig(data=1, fsdp=8, tensor=1),
-    MeshConfig(data=2, fsdp=1, tensor=4),
-    MeshConfig(data=2, fsdp=2, tensor=2),
-], ids=["data8", "fsdp8", "data2-tensor4", "data2-fsdp2-tensor2"])
-def test_sharded_step_matches_one_device(mesh_cfg, single_device):
+@pytest.mark.parametrize("mesh_cfg, micro_batch", [
+    (MeshConfig(data=8, fsdp=1, tensor=1), 0),
+    (MeshConfig(data=1, fsdp=8, tensor=1), 0),
+    (MeshConfig(data=2, fsdp=1, tensor=4), 0),
+    (MeshConfig(data=2, fsdp=2, tensor=2), 0),
+    (MeshConfig(data=2, fsdp=2, tensor=2), 1),
+], ids=["data8", "fsdp8", "data2-tensor4", "data2-fsdp2-tensor2", "2x2x2-micro-batches"])
+def test_sharded_step_matches_one_device(mesh_cfg, micro_batch, single_device):
   losses_1, params_1 = single_device
-  losses_8, params_8 = _train(_program(mesh_cfg, 8), steps=3)
+  train = dataclasses.replace(TRAIN, micro_batch=micro_batch)
+  losses_8, params_8 = _train(_program(mesh_cfg, 8, train=train), steps=3)
   np.testing.assert_allclose(losses_8, losses_1, rtol=RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
                params_8, params_1)

@@ -10,6 +10,10 @@ TASKS = ("synthetic", "learnable")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   global_batch: int = 16        # sequences per step, over all devices
+  # Sequences per data-parallel replica in one micro-batch; the replica's share of the
+  # global batch runs as micro-batches in sequence, gradients summed (activation memory
+  # of one micro-batch at the cost of a loop). 0: the whole share at once.
+  micro_batch: int = 0
   steps: int = 10               # timed / trained steps
   warmup_steps: int = 2         # excluded from timing (compilation caches, allocators)
   learning_rate: float = 3e-4
@@ -28,7 +32,7 @@ class TrainConfig:
     for field in ("global_batch", "steps"):
       if getattr(self, field) < 1:
         raise UserInputError(f"train.{field} must be a positive integer, got {getattr(self, field)}")
-    for field in ("warmup_steps", "lr_warmup_steps", "lr_decay_steps"):
+    for field in ("micro_batch", "warmup_steps", "lr_warmup_steps", "lr_decay_steps"):
       if getattr(self, field) < 0:
         raise UserInputError(f"train.{field} must be >= 0, got {getattr(self, field)}")
     if self.task not in TASKS:

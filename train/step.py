@@ -67,17 +67,38 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
   if train_cfg.global_batch % data_ways:
     raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
                          f"mesh data x fsdp = {data_ways}")
+  per_replica = train_cfg.global_batch // data_ways
+  if train_cfg.micro_batch and per_replica % train_cfg.micro_batch:
+    raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
+                         f"{per_replica} sequences per data-parallel replica")
+  micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
   state_shardings = sharding.named_shardings(abstract, mesh)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0))))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    def loss_fn(params):
-      logits = nnx.merge(graphdef, params)(batch["inputs"])
-      return cross_entropy(logits, batch["targets"])
+  def loss_fn(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    return cross_entropy(logits, batch["targets"])
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  def loss_and_grads(params, batch):
+    n = micro_batches
+    if n == 1:
+      return jax.value_and_grad(loss_fn)(params, batch)
+    # [B, T] -> [B/n, n, T] keeps each device's rows on it (rows are sharded in
+    # contiguous blocks); the micro-batch index then moves to the front for the scan.
+    micro = jax.tree.map(lambda x: x.reshape(-1, n, x.shape[-1]).swapaxes(0, 1), batch)
+
+    def accumulate(carry, micro_batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch)
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(accumulate, zeros, micro)
+    return jax.tree.map(lambda x: x / n, total)
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    loss, grads = loss_and_grads(state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),

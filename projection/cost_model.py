@@ -1,0 +1,99 @@
+"""Time one device's compiled program on a given piece of hardware.
+
+Two streams, as on a GPU: a compute stream that runs the program's ops in schedule
+order, and a communication stream that runs asynchronous collectives one after another.
+
+  compute op       max(dot FLOPs / achievable matmul rate + other FLOPs / vector rate,
+                       HBM bytes / achievable HBM bandwidth) + a kernel launch
+  async collective starts when the compute stream reaches its start and the
+                   communication stream is free; the compute stream only waits at its
+                   done if the collective has not finished by then (exposed time)
+  sync collective  the compute stream waits for all of it
+  loop             its body's time times the trip count (a collective never spans an
+                   iteration: start and done sit in the same body)
+
+The step time is the compute stream's finish. Breakdown: compute_s (op time),
+exposed_comm_s (waiting on collectives), other_s (kernel launches).
+"""
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from hardware.catalog import Hardware
+from projection import hlo
+
+# Elementwise work runs on the CUDA cores, not the tensor cores. H100 SXM: 67 TFLOP/s
+# FP32 against 989 dense BF16 (NVIDIA H100 datasheet), about 1/15.
+VECTOR_FRACTION_OF_MATMUL = 1 / 15
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  step_s: float
+  compute_s: float
+  exposed_comm_s: float
+  other_s: float
+  comm_s: float           # all collective time, hidden or not
+
+  def scaled(self, k: int) -> "StepCost":
+    return StepCost(*(k * v for v in dataclasses.astuple(self)))
+
+  def __add__(self, other: "StepCost") -> "StepCost":
+    return StepCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+ZERO = StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def matmul_tflops(hw: Hardware, dtype: str) -> float:
+  """Achievable matmul rate for an op's element type."""
+  if dtype.startswith("f8"):
+    return hw.achievable_tflops("fp8") or hw.achievable_tflops("bf16")
+  if dtype == "f32":
+    # GPUs run f32 dots as TF32 on the tensor cores at half the BF16 rate (H100 datasheet:
+    # 495 vs 989 dense); a host profile has its own measured f32 rate.
+    return hw.achievable_tflops("f32") or hw.achievable_tflops("bf16") / 2
+  return hw.achievable_tflops("bf16")
+
+
+def op_time_s(op: hlo.Compute, hw: Hardware) -> float:
+  matmul = matmul_tflops(hw, op.dot_dtype or op.dtype) * 1e12
+  vector = (hw.achievable_tflops("f32") or hw.achievable_tflops("bf16") * VECTOR_FRACTION_OF_MATMUL) * 1e12
+  flops_s = op.dot_flops / matmul + (op.flops - op.dot_flops) / vector
+  bytes_s = (op.bytes_read + op.bytes_written) / (hw.hbm_achievable_tb_s * 1e12)
+  return max(flops_s, bytes_s)
+
+
+def simulate(nodes: Iterable[hlo.Node], hw: Hardware,
+             collective_s: Callable[[hlo.Collective], float]) -> StepCost:
+  launch_s = hw.kernel_launch_us * 1e-6
+  now = comm_free = 0.0
+  compute = exposed = other = comm = 0.0
+  pending: dict[str, float] = {}  # async collective -> when it finishes
+  total = ZERO
+  for node in nodes:
+    if isinstance(node, hlo.Compute):
+      duration = op_time_s(node, hw)
+      now += duration + launch_s
+      compute += duration
+      other += launch_s
+    elif isinstance(node, hlo.Collective):
+      duration = collective_s(node)
+      comm += duration
+      if node.is_async and not node.xla_sync:
+        begin = max(now, comm_free)
+        comm_free = pending[node.name] = begin + duration
+      else:
+        now += duration
+        exposed += duration
+    elif isinstance(node, hlo.AsyncDone):
+      finish = pending.pop(node.start, now)
+      if finish > now:
+        exposed += finish - now
+        now = finish
+    elif isinstance(node, hlo.Loop):
+      body = simulate(node.body, hw, collective_s).scaled(node.trip_count)
+      total = total + body
+      now += body.step_s
+      comm_free = max(comm_free, now)
+  return total + StepCost(now - total.step_s, compute, exposed, other, comm)
