@@ -46,6 +46,7 @@ from absl import app, flags
 import experiments
 from errors import UserInputError
 from experiments import overrides
+from hardware import catalog
 from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
 from projection import project
@@ -91,7 +92,7 @@ def _devices() -> list:
   return available[:wanted]
 
 
-def _check_memory(program: train_step.TrainProgram, devices: list) -> None:
+def _check_memory(program: train_step.TrainProgram, model_name: str, devices: list) -> None:
   """Refuse a model whose parameters and optimizer state cannot fit, before allocating."""
   state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
                     for x in jax.tree.leaves(program.abstract_state))
@@ -102,13 +103,9 @@ def _check_memory(program: train_step.TrainProgram, devices: list) -> None:
     capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   if state_bytes > 0.8 * capacity:
     raise UserInputError(
-        f"model: {program_name(program)} needs {state_bytes / 1e9:,.0f} GB for parameters and "
+        f"model: {model_name} needs {state_bytes / 1e9:,.0f} GB for parameters and "
         f"optimizer state, these {len(devices)} devices have {capacity / 1e9:,.0f} GB; "
         f"choose a smaller size, e.g. --set model=gpt3-125m")
-
-
-def program_name(program: train_step.TrainProgram) -> str:
-  return f"{sum(math.prod(x.shape) for x in jax.tree.leaves(program.abstract_state.params)):,}-parameter model"
 
 
 def _peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
@@ -116,18 +113,25 @@ def _peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
     host = loop.measure_matmul_tflops(dtype)
     return host / len(devices), (f"measured: {dtype} 2048^3 matmul on this host, "
                                  f"{host * 1e3:.0f} GFLOP/s shared by {len(devices)} CPU devices")
-  raise UserInputError(f"--devices: no peak figure for {devices[0].device_kind}")
+  kind = devices[0].device_kind.upper()  # e.g. "NVIDIA H100 80GB HBM3"
+  # Longest name first: "GB200" must not match as "B200".
+  for name in sorted(catalog.names(), key=len, reverse=True):
+    if name.upper() in kind:
+      hw = catalog.get(name)
+      # MFU on GPUs is quoted against dense BF16 peak, whatever the compute dtype.
+      return hw.peak_tflops("bf16"), f"{hw.name} dense BF16 peak, hardware/catalog.py"
+  raise UserInputError(f"--devices: no peak figure for {devices[0].device_kind} in hardware/catalog.py")
 
 
 def _run_measured(exp: experiments.ExperimentConfig) -> dict:
   devices = _devices()
   layout = mesh_lib.plan(exp.mesh, len(devices))
   mesh = mesh_lib.build_mesh(layout, devices)
+  program = train_step.build(exp.model, exp.train, mesh)
+  _check_memory(program, exp.model.name, devices)
   print(table.key_values(
       f"Mesh: {layout.devices} {devices[0].platform.upper()} devices as {layout.nodes} nodes "
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
-  program = train_step.build(exp.model, exp.train, mesh)
-  _check_memory(program, devices)
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
   run = loop.run(program, exp.model, exp.train)
   tokens_per_step = exp.train.global_batch * exp.model.seq_len

@@ -36,8 +36,17 @@ def _captured_stderr():
       os.close(saved)
 
 
+def launched_as_multiprocess() -> bool:
+  """Started by srun or mpirun with more than one task: JAX's runtime must join them."""
+  for variable in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if int(os.environ.get(variable, "1")) > 1:
+      return True
+  return False
+
+
 def configure(host_devices: int = DEFAULT_HOST_DEVICES) -> None:
-  """Use the CPU when there is no GPU, with `host_devices` emulated devices."""
+  """Use the CPU when there is no GPU, with `host_devices` emulated devices; join the
+  other processes of a Slurm or Open MPI launch (before any backend starts)."""
   gpu = has_nvidia_gpu()
   if not gpu:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -48,4 +57,7 @@ def configure(host_devices: int = DEFAULT_HOST_DEVICES) -> None:
   quiet = _captured_stderr() if not gpu else contextlib.nullcontext()
   with quiet:
     import jax  # pylint: disable=import-outside-toplevel
+    if launched_as_multiprocess():
+      # Coordinator, process count and id come from the Slurm / Open MPI environment.
+      jax.distributed.initialize()
     jax.devices()

@@ -39,7 +39,7 @@ class ReducedMesh:
 def target_layout(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
                   nvlink_domain: int) -> MeshLayout:
   if gpus % gpus_per_node:
-    raise UserInputError(f"--gpus {gpus} is not a whole number of {gpus_per_node}-GPU nodes")
+    raise UserInputError(f"not a whole number of {gpus_per_node}-GPU nodes")
   cfg = dataclasses.replace(mesh_cfg, devices_per_node=gpus_per_node, nvlink_domain=nvlink_domain)
   return plan(cfg, gpus)
 

@@ -65,7 +65,7 @@ def test_list_names_every_experiment():
     (["--steps=abc"], "--steps"),
     (["--mode=fly"], "--mode"),
     (["--devices=0"], "--devices"),
-    (["--experiment=gpt3", "--steps=1"], "needs"),
+    (["--experiment=gpt3", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2"], "model: gpt3-175b needs"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
   out = launch(f"--output_dir={tmp_path}", *args)
