@@ -181,7 +181,7 @@ def _projection_points(exp: experiments.ExperimentConfig) -> list[tuple[str, int
     counts.append(int(text))
   points = [(name.strip().lower(), gpus) for name in _HARDWARE.value for gpus in counts]
   for name, gpus in points:
-    project.plan(exp, project.hardware(name), gpus)
+    project.plan(exp, project.hardware(name, gpus), gpus)
   return points
 
 

@@ -321,15 +321,16 @@ def names() -> list[str]:
     return [hw.name for hw in _CATALOG]
 
 
-def get(name: str) -> Hardware:
-    """The entry called `name` (case-insensitive); 'host' returns this machine's profile."""
+def get(name: str, devices: int = 1) -> Hardware:
+    """The entry called `name` (case-insensitive); 'host' returns this machine's profile
+    for a run on `devices` of its CPU devices (GPU entries do not depend on it)."""
     key = name.strip().lower()
     if key in _BY_NAME:
         return _BY_NAME[key]
     if key == "host":
         from hardware.host import host_profile  # lazy: imports jax, may benchmark
 
-        return host_profile()
+        return host_profile(devices=devices)
     raise ValueError(f"unknown hardware {name!r}; known: {', '.join(names() + ['host'])}")
 
 

@@ -45,3 +45,33 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float
   T = seq_len or cfg.seq_len
   attention = 6 * cfg.num_layers * T * cfg.num_heads * cfg.head_dim
   return 6.0 * matmul_param_count(cfg) + attention
+
+
+def matmul_flops_per_step(cfg: ModelConfig, global_batch: int) -> float:
+  """Matmul FLOPs of one compiled train step of model/gpt.py, recomputation included.
+
+  Unlike `train_flops_per_token` this counts what XLA runs, so a compiled program's
+  matmul FLOPs can be checked against it:
+
+    forward   2 * N_matmul + 4 * L * T * H * K per token: attention over the full
+              T x T square, since XLA computes the masked half too
+    backward  twice the forward: an input and a weight (or second operand) gradient
+              for every matmul, the first layer's included (the embeddings train)
+    remat     "none": nothing more. "save_dots": the attention matmuls (Q.K^T and
+              probs.V have batch dimensions, so the policy does not save them) are
+              recomputed, + 4 * L * T * H * K. "full": each layer's forward is recomputed
+              except fc2, whose output only feeds the residual sum that the backward
+              pass does not need (XLA drops it): + 2 * L * (3DHK + HKD + DF) + 4 * L * T * H * K.
+
+  Equal to projection/hlo.py's dot FLOPs of compiled steps: GPT-3 175B with full remat
+  on H100 and a small model with save_dots on CPU (tests/test_projection.py); small
+  models with each policy on CPU when this was written.
+  """
+  L, D, H, K, F, T = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff,
+                      cfg.seq_len)
+  attention = 4 * L * T * H * K
+  forward = 2 * matmul_param_count(cfg) + attention
+  recompute = {"none": 0,
+               "save_dots": attention,
+               "full": 2 * L * (3 * D * H * K + H * K * D + D * F) + attention}[cfg.remat]
+  return float(3 * forward + recompute) * global_batch * T

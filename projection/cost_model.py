@@ -8,7 +8,9 @@ order, and a communication stream that runs asynchronous collectives one after a
   async collective starts when the compute stream reaches its start and the
                    communication stream is free; the compute stream only waits at its
                    done if the collective has not finished by then (exposed time)
-  sync collective  the compute stream waits for all of it
+  sync collective  as an async one whose done follows at once: it also waits for the
+                   communication stream, since an in-flight collective holds the same
+                   links, and the compute stream waits for all of it
   loop             its body's time times the trip count (a collective never spans an
                    iteration: start and done sit in the same body)
 
@@ -80,12 +82,13 @@ def simulate(nodes: Iterable[hlo.Node], hw: Hardware,
     elif isinstance(node, hlo.Collective):
       duration = collective_s(node)
       comm += duration
+      begin = max(now, comm_free)
+      comm_free = begin + duration
       if node.is_async and not node.xla_sync:
-        begin = max(now, comm_free)
-        comm_free = pending[node.name] = begin + duration
+        pending[node.name] = comm_free
       else:
-        now += duration
-        exposed += duration
+        exposed += comm_free - now
+        now = comm_free
     elif isinstance(node, hlo.AsyncDone):
       finish = pending.pop(node.start, now)
       if finish > now:

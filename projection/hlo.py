@@ -25,8 +25,9 @@ Conventions (per device, since an SPMD program is one device's program):
          all-to-all, collective-permute; = output bytes per device for all-gather. Groups are
          explicit lists of partition ids (SPMD programs have one replica).
 Control flow: while -> Loop (trip count from backend_config "known_trip_count", else from
-the condition's compare-with-constant); call and async compute are inlined; conditional
-inlines its branch with the most FLOPs (an upper bound). A while condition is not costed.
+the condition's compare-with-constant; op_name from its metadata: the jax.named_scope path
+that says what the loop is); call and async compute are inlined; conditional inlines its
+branch with the most FLOPs (an upper bound). A while condition is not costed.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class Loop:
   trip_count: int
   body: tuple["Node", ...]
   trip_count_source: str  # "backend_config", "condition" or "unknown" (then 1)
+  # The while op's metadata op_name: its jax.named_scope path, e.g.
+  # "jit(train_step)/grad_accumulation/while", which names what the loop is.
+  op_name: str = ""
 
 
 Node = Union[Compute, Collective, AsyncDone, Loop]
@@ -498,11 +502,13 @@ class _Analyzer:
 
   def _loop(self, ins: _Instr, comp: _Comp) -> Loop:
     body = self.comp_nodes(ins.attrs["body"].lstrip("%"))
+    op_name = re.search(r'op_name="([^"]*)"', ins.attrs.get("metadata", ""))
+    op_name = op_name.group(1) if op_name else ""
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs.get("backend_config", ""))
     if m:
-      return Loop(ins.name, int(m.group(1)), body, "backend_config")
+      return Loop(ins.name, int(m.group(1)), body, "backend_config", op_name)
     n = self._trip_from_condition(ins, comp)
-    return Loop(ins.name, n or 1, body, "condition" if n else "unknown")
+    return Loop(ins.name, n or 1, body, "condition" if n else "unknown", op_name)
 
   def _trip_from_condition(self, ins: _Instr, comp: _Comp) -> int | None:
     """Match `iv < N` (or <=) where iv is a tuple element that starts at a constant."""

@@ -1,11 +1,17 @@
-"""Where each device of a target cluster sits, and the reduced mesh that stands in for it.
+"""Where each device of a target cluster sits, and the reduced program that stands in for it.
 
 A 10,752-GPU mesh does not compile on this machine, and it need not: every device of a
 data-parallel replica runs the same program. So the step is compiled on a *reduced*
 mesh that keeps every model-parallel axis (fsdp, tensor) at its target size and shrinks
-the data axis to at most `REDUCED_DATA` replicas, with the global batch shrunk alike so
-each device's work is unchanged. Collectives whose replica groups run along the data
-axis are then re-placed on the full cluster (`target_group_domains`).
+the data axis to `REDUCED_DATA` replicas (or one, if the target has one), with the global
+batch shrunk alike so each device's work is unchanged. Collectives whose replica groups
+run along the data axis are then re-placed on the full cluster (`target_group_domains`).
+
+With gradient accumulation the compiled program runs `COMPILED_MICRO_BATCHES`
+micro-batches, not the target's count: the accumulation loop's body is the same program
+whatever its trip count, so the projection sets the trip count to the target's (see
+projection/project.py). Every GPU count of one experiment and GPU generation then shares
+one compile.
 
 Devices of the target are numbered node-major (node n holds n * gpus_per_node ...), as
 `parallelism.mesh.device_grid` lays them out; a device's NVLink domain is its number
@@ -19,17 +25,28 @@ import numpy as np
 
 from errors import UserInputError
 from parallelism.mesh import AXES, MeshConfig, MeshLayout, plan
+from projection.hlo import Groups
+from train.config import TrainConfig
 
 # Two replicas keep the data-axis collectives in the compiled program (one would drop
-# them) at the smallest compile cost.
+# them) at the smallest compile cost, and every target data size from 2 up (odd ones too)
+# grows from two. A target with one replica compiles with one, since its program is not
+# the two-replica one minus the data collectives: XLA fuses and schedules the gradient
+# reduction differently without them (step time 0.5% apart for GPT-3 175B on 64 H100s,
+# 10% for a small model whose step is mostly kernel launches).
 REDUCED_DATA = 2
+# Two micro-batches keep gradient accumulation a loop (one would be a straight-line step
+# with no loop to extend) at the smallest compile cost.
+COMPILED_MICRO_BATCHES = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class ReducedMesh:
   target: MeshLayout
   sizes: dict[str, int]          # the compiled mesh: data shrunk, the rest as the target
-  global_batch: int              # the compiled program's batch (same per-device batch)
+  global_batch: int              # the compiled program's batch (same per-device micro-batch)
+  micro_batches: int             # accumulated micro-batches per step on the target (1: none)
+  compiled_micro_batches: int    # and in the compiled program
 
   @property
   def devices(self) -> int:
@@ -39,55 +56,91 @@ class ReducedMesh:
 def target_layout(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
                   nvlink_domain: int) -> MeshLayout:
   if gpus % gpus_per_node:
-    raise UserInputError(f"not a whole number of {gpus_per_node}-GPU nodes")
+    raise UserInputError(f"--gpus {gpus} is not a whole number of {gpus_per_node}-GPU nodes")
   cfg = dataclasses.replace(mesh_cfg, devices_per_node=gpus_per_node, nvlink_domain=nvlink_domain)
   return plan(cfg, gpus)
 
 
-def reduce(target: MeshLayout, global_batch: int) -> ReducedMesh:
-  data = target.sizes["data"]
-  reduced_data = math.gcd(data, REDUCED_DATA)
+def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
+  """The compiled stand-in for `target`; bad batch sizes raise UserInputError."""
   replicas = target.sizes["data"] * target.sizes["fsdp"]
-  if global_batch % replicas:
-    raise UserInputError(f"train.global_batch = {global_batch} does not divide over the "
-                         f"{replicas} data x fsdp replicas of {target.devices} GPUs")
-  return ReducedMesh(target, {**target.sizes, "data": reduced_data},
-                     global_batch // data * reduced_data)
+  if train_cfg.global_batch % replicas:
+    raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
+                         f"the {replicas} data x fsdp replicas of {target.devices} GPUs")
+  per_replica = train_cfg.global_batch // replicas
+  micro_batches, compiled = 1, 1
+  if train_cfg.micro_batch:
+    if per_replica % train_cfg.micro_batch:
+      raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
+                           f"{per_replica} sequences per data-parallel replica of "
+                           f"{target.devices} GPUs")
+    micro_batches = per_replica // train_cfg.micro_batch
+    # A target without accumulation (one micro-batch) compiles as it runs, loop-free.
+    compiled = min(micro_batches, COMPILED_MICRO_BATCHES)
+    per_replica = train_cfg.micro_batch * compiled
+  sizes = {**target.sizes, "data": min(target.sizes["data"], REDUCED_DATA)}
+  return ReducedMesh(target, sizes, per_replica * sizes["data"] * sizes["fsdp"], micro_batches,
+                     compiled)
 
 
 def _device_index(coords: np.ndarray, layout: MeshLayout) -> np.ndarray:
   """Node-major device numbers of mesh coordinates [..., len(AXES)] on `layout`."""
   nv = np.array([layout.nvlink[a] for a in AXES])
   ib = np.array([layout.infiniband[a] for a in AXES])
-  node = np.ravel_multi_index(tuple((coords // nv).T), ib)
-  local = np.ravel_multi_index(tuple((coords % nv).T), nv)
+  node = np.ravel_multi_index(tuple(np.moveaxis(coords // nv, -1, 0)), ib)
+  local = np.ravel_multi_index(tuple(np.moveaxis(coords % nv, -1, 0)), nv)
   return node * layout.devices_per_node + local
 
 
-def target_group_domains(group: tuple[int, ...], reduced: ReducedMesh) -> tuple[int, ...]:
-  """NVLink domain of each member of one compiled replica group, placed on the target.
+def _coords(groups: Groups, reduced: ReducedMesh) -> np.ndarray:
+  """Reduced-mesh coordinates [groups, members, len(AXES)] of one collective's groups.
 
   Partition p of the compiled program is the reduced mesh's device p in row-major
-  (data, fsdp, tensor) order. A group that runs along the data axis grows from the
-  reduced data size to the target's; any other group keeps its members.
+  (data, fsdp, tensor) order.
   """
   shape = [reduced.sizes[a] for a in AXES]
-  coords = np.stack(np.unravel_index(np.asarray(group), shape), axis=-1)  # [members, 3]
+  return np.stack(np.unravel_index(np.asarray(groups), shape), axis=-1)
+
+
+def _spans_data(coords: np.ndarray) -> bool:
+  """Whether a mesh collective runs along data (its groups all run along the same axes)."""
+  return len(np.unique(coords[0, :, 0])) > 1
+
+
+def target_group_domains(groups: Groups, reduced: ReducedMesh) -> list[tuple[int, ...]]:
+  """The NVLink domains of the members of the target's replica groups that one compiled
+  collective's `groups` stand for: one tuple (a group's members' domains) per distinct
+  placement.
+
+  A group that runs along the data axis grows from the reduced data size to the
+  target's; any other group stands for the same group in every target data replica.
+  Groups of one collective are not all placed alike when the NVLink domain does not
+  align with the mesh (64-GPU replicas on 72-GPU NVL72 racks: some straddle two racks),
+  and the slowest one gates the step, so every distinct placement is returned.
+  """
+  coords = _coords(groups, reduced)                                     # [g, m, 3]
   target = reduced.target
-  if len(set(coords[:, 0])) > 1 and target.sizes["data"] > reduced.sizes["data"]:
-    others = np.unique(coords[:, 1:], axis=0)                              # [m, 2]
-    data = np.arange(target.sizes["data"])
-    coords = np.concatenate([np.broadcast_to(data[:, None, None], (len(data), len(others), 1)),
-                             np.broadcast_to(others, (len(data), *others.shape))],
-                            axis=-1).reshape(-1, len(AXES))
-  devices = _device_index(coords, target)
-  return tuple((devices // target.nvlink_domain).tolist())
+  data = np.arange(target.sizes["data"])
+  if _spans_data(coords):
+    # Each group's (fsdp, tensor) members, as found at data index 0, at every data index.
+    others = coords[coords[:, :, 0] == 0][:, 1:].reshape(len(coords), -1, 1, 2)
+    grid = np.broadcast_to(data[None, None, :, None], (*others.shape[:2], len(data), 1))
+    coords = np.concatenate([grid, np.broadcast_to(others, (*grid.shape[:3], 2))], axis=-1)
+    coords = coords.reshape(len(others), -1, len(AXES))
+  else:
+    base = coords[coords[:, 0, 0] == 0]                                 # data replica 0's
+    coords = np.broadcast_to(base, (len(data), *base.shape)).copy()
+    coords[..., 0] = data[:, None, None]
+    coords = coords.reshape(-1, *base.shape[1:])
+  domains = np.sort(_device_index(coords, target) // target.nvlink_domain, axis=-1)
+  # A collective's cost depends on how many members share each domain; groups whose
+  # sorted domains change at the same positions share that.
+  _, first = np.unique(np.diff(domains, axis=-1) != 0, axis=0, return_index=True)
+  return [tuple(domains[i].tolist()) for i in sorted(first)]
 
 
-def group_growth(group: tuple[int, ...], reduced: ReducedMesh) -> float:
-  """Target group size over compiled group size (1 unless the group runs along data)."""
-  shape = [reduced.sizes[a] for a in AXES]
-  data_coords = np.unravel_index(np.asarray(group), shape)[0]
-  if len(set(data_coords.tolist())) > 1:
+def group_growth(groups: Groups, reduced: ReducedMesh) -> float:
+  """Target group size over compiled group size (1 unless the groups run along data)."""
+  if _spans_data(_coords(groups, reduced)):
     return reduced.target.sizes["data"] / reduced.sizes["data"]
   return 1.0

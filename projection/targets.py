@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "hardware" / "targets"
-HARDWARE = ("h100", "h200", "b200", "gb200", "gb300")
+HARDWARE = ("a100", "h100", "h200", "b200", "gb200", "gb300")
 
 
 def target_config(hardware: str) -> str:

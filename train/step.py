@@ -21,6 +21,11 @@ from parallelism import sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
 
+# Name scope of the gradient-accumulation loop. It survives into the optimized HLO as the
+# while op's metadata op_name (".../grad_accumulation/while"), which is how
+# projection/project.py finds the loop whose trip count is the number of micro-batches.
+GRAD_ACCUMULATION_SCOPE = "grad_accumulation"
+
 
 class TrainState(NamedTuple):
   step: jax.Array       # int32 scalar
@@ -94,7 +99,8 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(accumulate, zeros, micro)
+    with jax.named_scope(GRAD_ACCUMULATION_SCOPE):
+      total, _ = jax.lax.scan(accumulate, zeros, micro)
     return jax.tree.map(lambda x: x / n, total)
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:

@@ -1,0 +1,160 @@
+"""Closing the loop on this machine: projected against measured host-CPU step times.
+
+For small GPT configurations on 1, 2, 4 and 8 emulated CPU devices (data, fsdp and
+tensor meshes) this measures the train step with the project's own code (the steps of
+`launch.py --mode=benchmark`: parallelism/mesh.py, train/step.py, train/loop.py) and
+projects it with the `host` profile for that many active devices (projection/project.py,
+hardware/host.py: `launch.py --mode=project --hardware=host --gpus=N`), then prints
+measured median, projected time and error for each.
+
+  python benchmarks/closing_the_loop.py             # every configuration, ~2-4 minutes
+  python benchmarks/closing_the_loop.py --steps=20 --only=fsdp
+
+The host profiles are cached (~/.cache/jax-scaling/host_profile.json, or
+$JAX_SCALING_HOST_PROFILE); --refresh measures them again first.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import platform_env  # noqa: E402
+
+if __name__ == "__main__":
+  platform_env.configure(16)  # fsdp 8 compiles on 2 x 8 (projection/layout.py)
+
+# pylint: disable=wrong-import-position
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import experiments  # noqa: E402
+from hardware import host  # noqa: E402
+from parallelism import mesh as mesh_lib  # noqa: E402
+from parallelism.mesh import MeshConfig  # noqa: E402
+from projection import project  # noqa: E402
+from train import loop  # noqa: E402
+from train import step as train_step  # noqa: E402
+
+TARGET_ERROR = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  name: str
+  devices: int
+  mesh: MeshConfig
+
+
+# The tiny experiment's model (2 layers, d_model 64, 16 x 64 tokens) on every mesh kind.
+# On 2 devices launch.py's emulated nodes hold one device each, so tensor = 2 needs
+# devices_per_node = 2 (one node) to stay inside an "NVLink" domain.
+POINTS = (
+    Point("1 device", 1, MeshConfig(data=1)),
+    Point("data 2", 2, MeshConfig(data=2)),
+    Point("fsdp 2", 2, MeshConfig(data=1, fsdp=2)),
+    Point("tensor 2", 2, MeshConfig(data=1, tensor=2, devices_per_node=2)),
+    Point("data 4", 4, MeshConfig(data=4)),
+    Point("fsdp 4", 4, MeshConfig(data=1, fsdp=4)),
+    Point("data 2 x tensor 2", 4, MeshConfig(data=2, tensor=2)),
+    Point("data 8", 8, MeshConfig(data=8)),
+    Point("fsdp 8", 8, MeshConfig(data=1, fsdp=8)),
+    Point("data 2 x fsdp 2 x tensor 2", 8, MeshConfig(data=2, fsdp=2, tensor=2)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  point: Point
+  measured_s: float        # median step time
+  measured_min_s: float
+  projected_s: float
+
+  @property
+  def error(self) -> float:
+    """Projected over measured median, minus one: +0.10 projects 10% slow."""
+    return self.projected_s / self.measured_s - 1
+
+  @property
+  def error_vs_min(self) -> float:
+    """Against the fastest step: what the steps take when other processes let them."""
+    return self.projected_s / self.measured_min_s - 1
+
+
+def experiment(point: Point, steps: int = 10) -> experiments.ExperimentConfig:
+  exp = experiments.load("tiny")
+  train = dataclasses.replace(exp.train, task="synthetic", steps=steps)
+  return dataclasses.replace(exp, mesh=point.mesh, train=train)
+
+
+def measure(exp: experiments.ExperimentConfig, devices: int) -> list[float]:
+  """Step times as `launch.py --mode=benchmark --devices=N` measures them."""
+  layout = mesh_lib.plan(exp.mesh, devices)
+  mesh = mesh_lib.build_mesh(layout, jax.devices()[:devices])
+  program = train_step.build(exp.model, exp.train, mesh)
+  return loop.run(program, exp.model, exp.train).step_times_s
+
+
+def compare(point: Point, steps: int = 10) -> Result:
+  exp = experiment(point, steps)
+  projected = project.project(exp, "host", point.devices)["step_time_s"]
+  times = measure(exp, point.devices)
+  return Result(point, float(np.median(times)), float(np.min(times)), projected)
+
+
+def profile_rows(counts: list[int]) -> list[str]:
+  """The per-device figures of each host profile, and how they scale with devices."""
+  lines = [f"{'devices':>7} {'matmul GFLOP/s':>15} {'memory GB/s':>12} {'op us':>6} "
+           f"{'all-reduce alpha us':>20} {'busbw GB/s':>11}"]
+  for n in counts:
+    hw = host.host_profile(devices=n)
+    lines.append(f"{n:>7} {hw.achievable_f32_tflops * 1e3:>15.1f} {hw.hbm_peak_tb_s * 1e3:>12.2f} "
+                 f"{hw.kernel_launch_us:>6.1f} {hw.protocols[0].base_us if n > 1 else 0:>20.0f} "
+                 f"{hw.allreduce_ring_busbw_gb_s if n > 1 else 0:>11.2f}")
+  return lines
+
+
+def table(results: list[Result]) -> str:
+  rows = [f"{'configuration':<28} {'devices':>7} {'measured median s':>18} {'projected s':>12} "
+          f"{'error':>8}   {'measured min s':>14} {'error vs min':>12}"]
+  for r in results:
+    flag = "" if abs(r.error) <= TARGET_ERROR else " *"
+    rows.append(f"{r.point.name:<28} {r.point.devices:>7} {r.measured_s:>18.4f} "
+                f"{r.projected_s:>12.4f} {r.error:>+8.1%}{flag:2} {r.measured_min_s:>14.4f} "
+                f"{r.error_vs_min:>+12.1%}")
+  return "\n".join(rows) + f"\n* misses the {TARGET_ERROR:.0%} target"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+  parser.add_argument("--only", default="", help="run the configurations whose name has this")
+  parser.add_argument("--refresh", action="store_true", help="measure the host profiles again")
+  args = parser.parse_args()
+  points = [p for p in POINTS if args.only in p.name]
+  counts = sorted({p.devices for p in points})
+  load = os.getloadavg()[0]
+  results = []
+  for n in counts:  # each profile just before the steps it projects: similar load
+    host.host_profile(refresh=args.refresh, devices=n)
+    for point in (p for p in points if p.devices == n):
+      results.append(compare(point, args.steps))
+      print(f"  {point.name}: measured {results[-1].measured_s:.4f} s, "
+            f"projected {results[-1].projected_s:.4f} s", flush=True)
+  print("\nhost profiles (per device, with that many devices active):")
+  print("\n".join(profile_rows(counts)))
+  print(f"\n{args.steps} timed steps per configuration; load average "
+        f"{load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+  print(table(results))
+  misses = [r for r in results if abs(r.error) > TARGET_ERROR]
+  print(f"\n{len(results) - len(misses)} of {len(results)} within {TARGET_ERROR:.0%}"
+        + (f"; misses: {', '.join(f'{r.point.name} {r.error:+.0%}' for r in misses)}"
+           if misses else ""))
+
+
+if __name__ == "__main__":
+  main()

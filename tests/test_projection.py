@@ -1,0 +1,230 @@
+"""Projection (projection/project.py): compile reuse and its agreement with direct
+compiles, matmul FLOPs, HBM capacity, placement on the target, the cost model's streams,
+and bad input through launch.py.
+
+A deviceless GPU compile takes 10-20 s here whatever the model's size, so the small-model
+tests share three H100 compiles (compile_step's cache) and GPT-3 175B is compiled once;
+those tests are skipped where jax-cuda12-plugin cannot compile deviceless.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import jax
+import pytest
+
+import experiments
+from errors import UserInputError
+from experiments import ExperimentConfig
+from hardware import catalog
+from model.config import ModelConfig
+from model.flops import matmul_flops_per_step
+from parallelism.mesh import MeshConfig, build_mesh, plan
+from projection import collectives, cost_model, hlo, layout, project, targets
+from train import step as train_step
+from train.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CUDA, _WHY = targets.cuda_available()
+deviceless = pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+
+# One model replica (fsdp 2 x tensor 4) fills an 8-GPU H100 node. With micro-batches of one
+# sequence, 64 GPUs (data 8) run 8 micro-batches and 128 GPUs (data 16) run 4; both
+# compile as data 2 with 2 micro-batches (global batch 8).
+SMALL = ExperimentConfig(
+    name="small", description="projection tests",
+    model=ModelConfig(name="small", num_layers=2, d_model=256, num_heads=4, head_dim=64,
+                      seq_len=256, vocab_size=512, remat="full", compute_dtype="bfloat16"),
+    mesh=MeshConfig(data=-1, fsdp=2, tensor=4),
+    train=TrainConfig(global_batch=128, micro_batch=1))
+H100 = catalog.get("h100")
+
+
+def _with_batch(exp: ExperimentConfig, global_batch: int) -> ExperimentConfig:
+  return dataclasses.replace(exp, train=dataclasses.replace(exp.train, global_batch=global_batch))
+
+
+def _direct(exp: ExperimentConfig, gpus: int) -> dict:
+  """The projection from a compile of the whole target mesh and all its micro-batches."""
+  reduced = project.plan(exp, H100, gpus)
+  whole = layout.ReducedMesh(reduced.target, reduced.target.sizes, exp.train.global_batch,
+                             reduced.micro_batches, reduced.micro_batches)
+  return project.project_on(exp, H100, whole)
+
+
+def _rel(a: float, b: float) -> float:
+  return abs(a - b) / b
+
+
+# ----------------------------------------------------------------------------- compiles
+@deviceless
+def test_data_axis_2_extended_to_16_matches_a_compile_at_16():
+  # Global batch 64 on 128 GPUs: 2 micro-batches, as compiled, so only the data axis grows.
+  exp = _with_batch(SMALL, 64)
+  extended, direct = project.project(exp, "h100", 128), _direct(exp, 128)
+  assert (extended["compiled_mesh"]["data"], direct["compiled_mesh"]["data"]) == (2, 16)
+  assert extended["micro_batches"] == extended["compiled_micro_batches"] == 2
+  assert _rel(extended["step_time_s"], direct["step_time_s"]) < 0.02
+  assert _rel(extended["comm_s"], direct["comm_s"]) < 0.02
+  assert extended["hlo_matmul_flops_per_step"] == direct["hlo_matmul_flops_per_step"]
+
+
+@deviceless
+def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
+  before = project.compile_step.cache_info()
+  r64, r128 = project.project(SMALL, "h100", 64), project.project(SMALL, "h100", 128)
+  after = project.compile_step.cache_info()
+  assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
+  assert r64["compiled_mesh"] == r128["compiled_mesh"] == {"data": 2, "fsdp": 2, "tensor": 4}
+  assert (r64["micro_batches"], r128["micro_batches"]) == (8, 4)
+  assert r64["compiled_micro_batches"] == r128["compiled_micro_batches"] == 2
+  # Per GPU, 64 GPUs run twice the micro-batches of 128: twice the matmuls, no more.
+  assert r64["hlo_matmul_flops_per_step"] / 64 == 2 * r128["hlo_matmul_flops_per_step"] / 128
+  direct = _direct(SMALL, 128)  # data 16, 4 micro-batches, compiled as such
+  assert direct["compiled_micro_batches"] == 4
+  assert _rel(r128["step_time_s"], direct["step_time_s"]) < 0.02
+  assert r128["hlo_matmul_flops_per_step"] == direct["hlo_matmul_flops_per_step"]
+  assert r128["memory_per_gpu_gb"] == pytest.approx(direct["memory_per_gpu_gb"], rel=0.05)
+
+
+@deviceless
+def test_over_capacity_is_reported_without_a_step_time():
+  fits = project.project(SMALL, "h100", 128)
+  assert fits["fits"] and fits["step_time_s"] > 0 and "over_capacity_gb" not in fits
+  # The same program on an H100 with 1 MiB of memory (compile_step's cache is keyed by
+  # the hardware's name, so this reuses the compile above).
+  tiny = dataclasses.replace(H100, hbm_gib=1 / 1024)
+  record = project.project_on(SMALL, tiny, project.plan(SMALL, tiny, 128))
+  assert record["memory_per_gpu_gb"] > record["hbm_capacity_gb"]
+  assert record["fits"] is False
+  assert record["over_capacity_gb"] == pytest.approx(
+      record["memory_per_gpu_gb"] - record["hbm_capacity_gb"])
+  assert not {"step_time_s", "breakdown", "mfu"} & record.keys()
+
+
+@deviceless
+def test_gpt3_175b_matmul_flops_match_the_analytical_count():
+  exp = experiments.load("gpt3")
+  record = project.project(exp, "h100", 512)
+  assert (record["micro_batches"], record["compiled_micro_batches"]) == (24, 2)
+  expected = matmul_flops_per_step(exp.model, exp.train.global_batch)
+  assert _rel(record["hlo_matmul_flops_per_step"], expected) < 0.02
+  assert record["fits"] and 40 < record["memory_per_gpu_gb"] < record["hbm_capacity_gb"]
+
+
+def test_save_dots_matmul_flops_and_the_named_loop_on_cpu():
+  # One CPU device, 2 micro-batches run to 5 through the named accumulation loop; save_dots
+  # adds the recomputed attention matmuls to the 3 x forward of remat none. (Full remat is
+  # checked on GPT-3 175B above; a CPU compile costs 5-15 s here, so one policy.)
+  model = ModelConfig(num_layers=3, d_model=64, num_heads=4, head_dim=16, seq_len=32,
+                      vocab_size=256, remat="save_dots")
+  mesh = build_mesh(plan(MeshConfig(data=1), 1), jax.devices()[:1])
+  step = train_step.build(model, TrainConfig(global_batch=2, micro_batch=1), mesh)
+  program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
+  assert hlo.dot_flops(program) == matmul_flops_per_step(model, 2)
+  five = project.with_micro_batches(program, compiled=2, target=5)
+  assert hlo.dot_flops(five) == matmul_flops_per_step(model, 5)
+
+
+# ----------------------------------------------------------------------------- no compiles
+def _loop(name: str, op_name: str, trips: int, body: tuple = ()) -> hlo.Loop:
+  return hlo.Loop(name, trips, body, "backend_config", op_name)
+
+
+def test_with_micro_batches_sets_only_the_named_loop():
+  layer = _loop("layers", "jit(train_step)/grad_accumulation/while/body/jvp()/while", 12)
+  accumulation = _loop("acc", "jit(train_step)/grad_accumulation/while", 2, (layer,))
+  program = hlo.Program("m", 8, (_loop("other", "jit(train_step)/while", 2), accumulation))
+  extended = project.with_micro_batches(program, compiled=2, target=24)
+  assert [n.trip_count for n in extended.entry] == [2, 24]
+  assert extended.entry[1].body == (layer,)
+  assert project.with_micro_batches(program, compiled=2, target=2) is program
+  with pytest.raises(RuntimeError, match="one gradient-accumulation loop"):
+    project.with_micro_batches(hlo.Program("m", 8, (layer,)), compiled=2, target=24)
+
+
+def test_plan_reduces_any_data_size_and_checks_the_micro_batch():
+  gpt3 = experiments.load("gpt3")
+  for gpus, data, reduced_data, micro in [(64, 1, 1, 192), (192, 3, 2, 64), (1024, 16, 2, 12)]:
+    reduced = project.plan(gpt3, H100, gpus)
+    assert reduced.target.sizes["data"] == data and reduced.sizes["data"] == reduced_data
+    assert (reduced.micro_batches, reduced.compiled_micro_batches) == (micro, 2)
+    assert reduced.global_batch == reduced_data * 8 * 2  # replicas x 2 micro-batches of 1
+  five = dataclasses.replace(gpt3, train=dataclasses.replace(gpt3.train, micro_batch=5))
+  with pytest.raises(UserInputError, match="train.micro_batch = 5 does not divide the 24 "
+                                           "sequences per data-parallel replica of 512 GPUs"):
+    project.plan(five, H100, 512)
+  # A group along data (partitions 0 and 64 of the 2 x 8 x 8 reduced mesh) grows to 3.
+  reduced = project.plan(gpt3, H100, 192)
+  assert layout.group_growth(((0, 64),), reduced) == 1.5
+  (domains,) = layout.target_group_domains(((0, 64),), reduced)
+  assert len(domains) == 3 and len(set(domains)) == 3  # three nodes over InfiniBand
+
+
+def test_groups_straddling_nvl72_racks_are_costed_at_the_slowest():
+  # 64-GPU replicas on 72-GPU NVL72 racks: replica 0's fsdp groups sit in rack 0, later
+  # replicas straddle two racks, so the same all-gather crosses InfiniBand there.
+  gb200 = catalog.get("gb200")
+  reduced = project.plan(experiments.load("gpt3"), gb200, 512)
+  fsdp_groups = tuple(tuple(range(t, 64, 8)) for t in range(8))
+  counts = {tuple(sorted(Counter(domains).values()))
+            for domains in layout.target_group_domains(fsdp_groups, reduced)}
+  assert (8,) in counts and (1, 7) in counts
+  gather = hlo.Collective("ag", "all-gather", 150 * 2**20, "bf16", fsdp_groups)
+  in_rack = collectives.collective_time_s("all-gather", gather.bytes, [0] * 8, gb200)
+  straddling = collectives.collective_time_s("all-gather", gather.bytes, [0] + [1] * 7, gb200)
+  assert project.collective_timer(reduced, gb200)(gather) == straddling > 3 * in_rack
+
+
+def test_sync_collective_waits_for_the_communication_stream():
+  one_second = lambda node: 1.0
+  nodes = (hlo.Collective("a", "all-reduce", 1, "f32", ((0, 1),), is_async=True),
+           hlo.Collective("s", "all-reduce", 1, "f32", ((0, 1),)),
+           hlo.AsyncDone("a-done", "a"))
+  cost = cost_model.simulate(nodes, H100, one_second)
+  # The async one holds the links for 1 s; the sync one runs after it, and the compute
+  # stream waits for both.
+  assert cost.step_s == cost.exposed_comm_s == 2.0 and cost.comm_s == 2.0
+
+
+# ----------------------------------------------------------------------------- launch.py
+# (hardware, gpus) -> what the one line launch.py prints must contain.
+BAD_INPUT = {
+    "unknown hardware": (("tpu9", "512"), "known: a100, h100, h200, b200, gb200, gb300, host"),
+    "part of a node": (("h100", "516"), "--gpus 516 on h100: --gpus 516 is not a whole number "
+                                        "of 8-GPU nodes"),
+    "model-parallel": (("h100", "72"), "the other axes (64) do not divide the 72 devices"),
+    "global batch": (("h100", "640"), "train.global_batch = 1536 does not divide over the 80 "
+                                      "data x fsdp replicas of 640 GPUs"),
+    "not a number": (("h100", "5l2"), "--gpus takes positive whole numbers, got '5l2'"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+  """Every BAD_INPUT case through launch.py, started at once (each is mostly jax start-up)."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  runs = {}
+  for case, ((hardware, gpus), _) in BAD_INPUT.items():
+    out = tmp_path_factory.mktemp("out")
+    command = [sys.executable, "launch.py", "--mode=project", "--experiment=gpt3",
+               f"--hardware={hardware}", f"--gpus={gpus}", f"--output_dir={out}"]
+    runs[case] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True), out)
+  yield runs
+  for process, _ in runs.values():
+    process.kill()
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_projection_input_is_one_line_and_exit_2(case, bad_input_runs):
+  process, out = bad_input_runs[case]
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 2, stderr[-2000:]
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in stderr, stderr
+  assert BAD_INPUT[case][1] in lines[0]
+  assert not (out / "results.jsonl").exists()
