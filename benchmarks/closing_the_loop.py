@@ -7,11 +7,14 @@ projects it with the `host` profile for that many active devices (projection/pro
 hardware/host.py: `launch.py --mode=project --hardware=host --gpus=N`), then prints
 measured median, projected time and error for each.
 
-  python benchmarks/closing_the_loop.py             # every configuration, ~2-4 minutes
-  python benchmarks/closing_the_loop.py --steps=20 --only=fsdp
+  python benchmarks/closing_the_loop.py             # every configuration, ~4-5 minutes
+  python benchmarks/closing_the_loop.py --only=fsdp --cached
 
-The host profiles are cached (~/.cache/jax-scaling/host_profile.json, or
-$JAX_SCALING_HOST_PROFILE); --refresh measures them again first.
+Each host profile is measured (and cached: ~/.cache/jax-scaling/host_profile.json or
+$JAX_SCALING_HOST_PROFILE) just before the steps it projects, so that both see similar
+load from other processes; --cached uses the cached profiles instead. On a machine
+shared with other jobs the load still changes between a profile (~15 s) and the steps,
+and errors move by tens of percent from run to run: compare several runs.
 """
 
 import argparse
@@ -107,14 +110,19 @@ def compare(point: Point, steps: int = 10) -> Result:
 
 
 def profile_rows(counts: list[int]) -> list[str]:
-  """The per-device figures of each host profile, and how they scale with devices."""
-  lines = [f"{'devices':>7} {'matmul GFLOP/s':>15} {'memory GB/s':>12} {'op us':>6} "
-           f"{'all-reduce alpha us':>20} {'busbw GB/s':>11}"]
+  """Each host profile's per-device figures, and matmul and memory times devices: how
+  far the machine-wide rates are from the one-device ones."""
+  lines = [f"{'devices':>7} {'matmul GFLOP/s':>14} {'(x devices)':>11} {'memory GB/s':>11} "
+           f"{'(x devices)':>11} {'op overhead us':>14} {'collective base + hop us':>24} "
+           f"{'all-reduce busbw GB/s':>21}"]
   for n in counts:
     hw = host.host_profile(devices=n)
-    lines.append(f"{n:>7} {hw.achievable_f32_tflops * 1e3:>15.1f} {hw.hbm_peak_tb_s * 1e3:>12.2f} "
-                 f"{hw.kernel_launch_us:>6.1f} {hw.protocols[0].base_us if n > 1 else 0:>20.0f} "
-                 f"{hw.allreduce_ring_busbw_gb_s if n > 1 else 0:>11.2f}")
+    matmul, memory = hw.achievable_f32_tflops * 1e3, hw.hbm_achievable_tb_s * 1e3
+    latency = (f"{hw.protocols[0].base_us:.0f} + {hw.protocols[0].nvlink_hop_us:.0f}"
+               if n > 1 else "-")
+    busbw = f"{hw.allreduce_ring_busbw_gb_s:.1f}" if n > 1 else "-"
+    lines.append(f"{n:>7} {matmul:>14.1f} {matmul * n:>11.1f} {memory:>11.1f} "
+                 f"{memory * n:>11.1f} {hw.kernel_launch_us:>14.1f} {latency:>24} {busbw:>21}")
   return lines
 
 
@@ -131,16 +139,17 @@ def table(results: list[Result]) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+  parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
   parser.add_argument("--only", default="", help="run the configurations whose name has this")
-  parser.add_argument("--refresh", action="store_true", help="measure the host profiles again")
+  parser.add_argument("--cached", action="store_true",
+                      help="use cached host profiles instead of measuring them now")
   args = parser.parse_args()
   points = [p for p in POINTS if args.only in p.name]
   counts = sorted({p.devices for p in points})
   load = os.getloadavg()[0]
   results = []
   for n in counts:  # each profile just before the steps it projects: similar load
-    host.host_profile(refresh=args.refresh, devices=n)
+    host.host_profile(refresh=not args.cached, devices=n)
     for point in (p for p in points if p.devices == n):
       results.append(compare(point, args.steps))
       print(f"  {point.name}: measured {results[-1].measured_s:.4f} s, "

@@ -2,34 +2,42 @@
 
 Lets the projection be checked end to end on CPU: compile a small model for N emulated
 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count), predict its step with
-the profile for N devices, and compare with the measured step (benchmarks/
-closing_the_loop.py).
+the profile for N active devices, and compare with the measured step
+(benchmarks/closing_the_loop.py).
 
 Active devices. XLA:CPU's devices share the host's cores and thread pools: one device
 alone gets the whole machine, N busy devices share it. So every figure is measured with
-the first N CPU devices all running the same micro-benchmark at once and is reported per
+the first N CPU devices all running the same program at once and is reported per
 device, and a profile is measured and cached per active-device count N. It does not
 depend on how many CPU devices the process has (project mode may create 512), only on
-how many a run uses. Measured figures fall roughly as 1/N beyond one device per core
-(benchmarks/closing_the_loop.py prints them), but not exactly, so they are measured.
+how many a run uses. Throughputs come out close to the one-device figure / N, but not
+exactly (closing_the_loop.py prints them), so they are measured, not divided.
 
-What is measured, chosen so that the cost model's max(FLOPs / rate, bytes / bandwidth)
-+ per-op overhead fits the small, overhead- and memory-bound ops of a CPU step:
-  - per-op overhead: a chain of tiny dependent ops inside one program, the time per op
-    counted by projection/hlo.py (what the cost model charges per op as a launch);
-  - matmul FLOP/s at the shapes of a small model's dense layers (tokens x d_model x
-    4 d_model), not the peak of a large GEMM; peak = the best shape;
-  - memory bandwidth: one elementwise op on a 1 MiB array (a small model's activation
-    size), its bytes as the cost model counts them over its time less the time of the
-    same program on 4 KiB (the call's fixed cost). A large copy would measure DRAM and
-    page faults on freshly allocated buffers instead;
-  - all-reduce and all-gather over all N devices: chains of dependent collectives in
-    one program at a few sizes, fitted to t = alpha + beta * bytes (bytes per device
-    as in projection/collectives). Between CPU devices of one process a collective is
-    a rendezvous plus memory copies.
-A program's fixed cost per call (dispatch) is subtracted everywhere: the cost model has
-no such term. Timings are the minimum over repeats, the least noisy estimate of the cost
-on a shared machine. Results are cached as JSON keyed by machine identity and N.
+What is measured, so that the cost model (projection/cost_model.py: max(FLOPs / matmul
+rate, bytes / bandwidth) + a per-op overhead; collectives by projection/collectives.py)
+fits the small ops of a CPU step. Every figure is a program's work as projection/hlo.py
+counts it (ops, bytes, dot FLOPs, collective bytes) over the program's run time:
+  - matmul FLOP/s at a small GPT's dense-layer shapes ([m, k] @ [k, k2] @ [k2, k], e.g.
+    1024 tokens x d_model 64 x 4 d_model), not a large GEMM's peak;
+  - memory bandwidth of an elementwise op on 1 MiB slices of a stack, read and written
+    as a layer scan does (a large copy would measure DRAM and page faults instead);
+  - all-reduce and all-gather over groups of 2 and of all N devices at 4 KiB and 512 KiB,
+    fitted to a latency (base + per ring step, as projection/collectives models one
+    domain) and a bus bandwidth. Between CPU devices of one process a collective is a
+    rendezvous plus memory copies;
+  - the per-op overhead (the cost model's kernel launch): a chain of tiny ops costs
+    under 2 us an op, but the ops of a real step cost more than their FLOPs and bytes
+    (thread-pool hand-offs, kernels slower than the benchmarks above). So the overhead
+    is what a reference program - train steps of a small decoder written here (not the
+    project's model: embeddings, attention, MLP, cross-entropy, AdamW) - takes beyond
+    the cost model's time for its ops at the rates above, per op. Its op mix (biases,
+    norm scales, per-parameter optimizer updates) was matched to a small GPT step's
+    while developing closing_the_loop.py; no figure is fitted to a measured step.
+Each program loops long enough (~20-40 ms, like a small model's step) that its fixed
+cost per call is negligible. All programs run in interleaved rounds and each keeps its
+median time: on a machine shared with other processes that is what a step of that length
+sees (the minimum would be a quiet machine's figure, which loaded steps do not reach).
+Results are cached as JSON keyed by machine identity and N.
 """
 
 from __future__ import annotations
@@ -50,10 +58,10 @@ FORMAT_VERSION = 2
 CACHE_ENV = "JAX_SCALING_HOST_PROFILE"  # overrides the cache file path
 DEFAULT_CACHE = Path.home() / ".cache" / "jax-scaling" / "host_profile.json"
 
-# Matmul shapes (m, k, n): a small GPT's dense layers, tokens x d_model x 4 d_model,
-# both ways round, plus a square one.
+# Matmul shapes (m, k, k2), run as [m, k] @ [k, k2] @ [k2, k]: a small GPT's MLP at 1024
+# and at 256 tokens (tokens x d_model 64 x 4 d_model), and a square one.
 _FULL = dict(matmul_float32=((1024, 64, 256), (256, 64, 256), (256, 256, 256)),
-             matmul_bfloat16=((256, 256, 256),), coll_kib=(4, 512), rounds=9)
+             matmul_bfloat16=((256, 256, 256),), coll_kib=(4, 512), rounds=13)
 _QUICK = dict(matmul_float32=((1024, 64, 256), (256, 256, 256)),
               matmul_bfloat16=((256, 256, 256),), coll_kib=(4, 512), rounds=5)
 _MEMORY_KIB = 1024  # elementwise bandwidth on arrays of this size (per device)
@@ -138,8 +146,9 @@ def profile_to_hardware(entry: dict[str, Any]) -> Hardware:
       nics_per_gpu=1, nic_gbit_s=ar_busbw * 8, nic_achievable_gb_s=ar_busbw,
       # Latency: a base plus a cost per ring step, fitted over groups of 2 and of all
       # active devices (one domain: no network steps).
-      protocols=(Protocol("measured", base_us=f["collective_base_s"] * 1e6,
-                          nvlink_hop_us=f["collective_hop_s"] * 1e6, net_hop_us=0.0,
+      protocols=(Protocol("measured",
+                          base_us=f.get("collective_base_s", f["allreduce_alpha_s"]) * 1e6,
+                          nvlink_hop_us=f.get("collective_hop_s", 0.0) * 1e6, net_hop_us=0.0,
                           tree_net_hop_us=0.0, bandwidth_fraction=1.0),),
       nvls_latency_us=None, kernel_launch_us=f["op_overhead_us"],
       sources={**measured,
@@ -160,112 +169,201 @@ def profile_to_hardware(entry: dict[str, Any]) -> Hardware:
 
 def _measure(quick: bool, devices: int) -> dict[str, Any]:
   import jax
-  import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-  cfg = _QUICK if quick else _FULL
   cpu = jax.devices("cpu")
   if devices > len(cpu):
     raise ValueError(f"a host profile for {devices} active devices needs {devices} CPU "
                      f"devices; this process has {len(cpu)} (launch.py: --devices={devices})")
-  n = devices
-  # Mesh axes (other, group): collectives run over "g", in n / g groups at once.
-  meshes = {g: Mesh(np.array(cpu[:n]).reshape(n // g, g), ("o", "g")) for g in {2, n}
-            if n % g == 0}
-  spec = P(("o", "g"))
+  cfg = _QUICK if quick else _FULL
+  bench = _Programs(cpu[:devices])
+  bench.add_all(cfg)
+  seconds = _typical_times(bench.jobs, cfg["rounds"])
+  return bench.figures(cfg, seconds)
 
-  def per_device(fn: Callable, g: int = n) -> Callable:
-    # The same local computation on every active device at once.
-    return jax.jit(jax.shard_map(fn, mesh=meshes[g], in_specs=spec, out_specs=spec,
-                                 check_vma=False))  # a psum's result is per-device here
 
-  def local(shape: tuple[int, ...], dtype=jnp.float32, value: float = 1.0, g: int = n):
-    return jnp.full((n * shape[0], *shape[1:]), value, dtype,
-                    device=NamedSharding(meshes[g], spec))
+class _Programs:
+  """The micro-benchmark programs for n active devices, and figures from their times."""
 
-  # Every figure is a program's work, as projection/hlo.py counts it (ops, bytes, dot
-  # FLOPs, collectives), over its typical (median) run time. The program repeats a body
-  # in a loop long enough (~20-40 ms, per-device work about 1/n) that its fixed cost per
-  # call is negligible and that it sees what a small model's step of that length sees on
-  # a machine shared with other processes (see _typical_times).
-  jobs: dict[str, tuple[Callable, Any]] = {}
-  work: dict[str, dict[str, float]] = {}
+  def __init__(self, devices: list) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
 
-  def repeated(name: str, body: Callable, x, repeats: int, g: int = n) -> None:
+    self.jax, self.jnp, self.n = jax, jnp, len(devices)
+    # Mesh axes (other, group): collectives run over "g", in n / g groups at once.
+    self.meshes = {g: Mesh(np.array(devices).reshape(self.n // g, g), ("o", "g"))
+                   for g in sorted({2, self.n}) if self.n % g == 0}
+    self.jobs: dict[str, tuple[Callable, Any]] = {}   # name -> (compiled program, input)
+    self.work: dict[str, dict[str, float]] = {}       # name -> _counts of the program
+
+  def per_device(self, fn: Callable, g: int | None = None) -> Callable:
+    """`fn` on every active device at once (check_vma off: a psum's result stays local)."""
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(("o", "g"))
+    return self.jax.jit(self.jax.shard_map(fn, mesh=self.meshes[g or self.n], in_specs=spec,
+                                           out_specs=spec, check_vma=False))
+
+  def local(self, shape: tuple[int, ...], dtype="float32", value: float = 1.0,
+            g: int | None = None):
+    """An array of `shape` on each active device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    sharding = NamedSharding(self.meshes[g or self.n], P(("o", "g")))
+    return self.jnp.full((self.n * shape[0], *shape[1:]), value, dtype, device=sharding)
+
+  def add(self, name: str, program: Callable, x) -> None:
+    compiled = program.lower(x).compile()
+    self.jobs[name], self.work[name] = (compiled, x), _counts(compiled)
+
+  def add_repeated(self, name: str, body: Callable, x, repeats: int,
+                   g: int | None = None) -> None:
     """`body` (which keeps its argument's shape) `repeats` times in a loop."""
-    program = per_device(lambda v: jax.lax.fori_loop(0, max(1, repeats), lambda i, u: body(u),
-                                                    v), g).lower(x).compile()
-    jobs[name], work[name] = (program, x), _counts(program)
+    loop = lambda v: self.jax.lax.fori_loop(0, max(1, repeats), lambda i, u: body(u), v)
+    self.add(name, self.per_device(loop, g), x)
 
-  def chain(op: Callable, steps: int) -> Callable:
-    def body(v):
-      for _ in range(steps):
-        v = op(v)
-      return v
-    return body
+  def add_all(self, cfg: dict[str, Any]) -> None:
+    jax, jnp, n = self.jax, self.jnp, self.n
 
-  def scan(op: Callable) -> Callable:
-    # As the model's layer scan runs its layers: a slice read, the op, its result
-    # written into the output stack.
-    return lambda v: jax.lax.scan(lambda c, row: (c, op(row)), 0.0, v[0])[1][None]
+    def chain(op: Callable, steps: int) -> Callable:
+      def body(v):
+        for _ in range(steps):
+          v = op(v)
+        return v
+      return body
 
-  # Per-op overhead: a chain of tiny dependent dots (dots do not fuse).
-  repeated("overhead", chain(lambda v: jnp.tanh(v @ v), 32), local((8, 8), value=0.1), 2048 // n)
-  # Matmuls: a dense layer pair, [m, k] @ [k, k2] @ [k2, k], on each slice of a stack.
-  for dtype in ("float32", "bfloat16"):
-    for m, k, k2 in cfg[f"matmul_{dtype}"]:
-      w1, w2 = jnp.full((k, k2), 0.01, dtype), jnp.full((k2, k), 0.01, dtype)
-      repeated(f"matmul_{dtype}/{m}x{k}x{k2}", scan(lambda row, w1=w1, w2=w2: row @ w1 @ w2),
-               local((1, _SCAN, m, k), dtype), round(3e7 / (m * k * k2) / n))
-  repeated("memory", scan(lambda row: row * 1.5 + 1.0),
-           local((1, _SCAN, _MEMORY_KIB * 256)), 48 // n)
-  collective_ops = {
-      "allreduce": lambda v: jax.lax.psum(v, "g"),
-      # The first shard of the result is sliced out to chain the next one.
-      "allgather": lambda v: jax.lax.all_gather(v, "g", tiled=True)[:v.shape[0]]}
-  for g in meshes if n > 1 else ():
-    for kind, op in collective_ops.items():
-      for kib in cfg["coll_kib"]:
-        elems = kib * 256 // g * g  # float32, a multiple of g: all-gather shards evenly
-        x = local((elems if kind == "allreduce" else elems // g,), value=1.0 / g, g=g)
-        # A small collective's latency grows about as n, its bandwidth term as 1 / n.
-        repeated(f"{kind}/{g}/{kib}", chain(op, 8), x, 512 // n**2 if kib < 64 else 64 // n, g)
+    def scan(op: Callable) -> Callable:  # a slice read, the op, the result written back
+      return lambda v: jax.lax.scan(lambda c, row: (c, op(row)), 0.0, v[0])[1][None]
 
-  seconds = _typical_times(jobs, cfg["rounds"])
-  overhead = seconds["overhead"] / max(work["overhead"]["ops"], 1)
-  figures: dict[str, Any] = {"op_overhead_us": overhead * 1e6}
+    # Tiny dependent dots (dots do not fuse), to take their overhead out of the rest.
+    self.add_repeated("tiny_ops", chain(lambda v: jnp.tanh(v @ v), 32),
+                      self.local((8, 8), value=0.1), 2048 // n)
+    for dtype in ("float32", "bfloat16"):
+      for m, k, k2 in cfg[f"matmul_{dtype}"]:
+        w1, w2 = jnp.full((k, k2), 0.01, dtype), jnp.full((k2, k), 0.01, dtype)
+        self.add_repeated(f"matmul_{dtype}/{m}x{k}x{k2}",
+                          scan(lambda row, w1=w1, w2=w2: row @ w1 @ w2),
+                          self.local((1, _SCAN, m, k), dtype), round(3e7 / (m * k * k2) / n))
+    self.add_repeated("memory", scan(lambda row: row * 1.5 + 1.0),
+                      self.local((1, _SCAN, _MEMORY_KIB * 256)), 48 // n)
+    for g in self.meshes if n > 1 else ():
+      for kind, op in _COLLECTIVES.items():
+        for kib in cfg["coll_kib"]:
+          elems = kib * 256 // g * g  # float32, a multiple of g: all-gather shards evenly
+          x = self.local((elems if kind == "allreduce" else elems // g,), value=1.0 / g, g=g)
+          # A small collective's latency grows about as n, a large one's time as 1 / n.
+          self.add_repeated(f"{kind}/{g}/{kib}", chain(lambda v, op=op: op(jax, v), 8), x,
+                            512 // n**2 if kib < 64 else 64 // n, g)
+    # Train steps of a small decoder on 1024 / n tokens per device.
+    tokens = self.local((max(1, 1024 // n // 64), 64), "int32")
+    self.add("reference", self.per_device(lambda t: jax.lax.fori_loop(
+        0, max(1, 4 // n), lambda i, state: _reference_step(jax, jnp, state, t),
+        _reference_state(jnp))["params"]["embed"]), tokens)
 
-  def busy_s(name: str) -> float:  # the run time less the cost model's per-op overhead
-    return max(seconds[name] - work[name]["ops"] * overhead, 1e-9)
+  def figures(self, cfg: dict[str, Any], seconds: dict[str, float]) -> dict[str, Any]:
+    n, work = self.n, self.work
+    tiny = seconds["tiny_ops"] / max(work["tiny_ops"]["ops"], 1)
+    f: dict[str, Any] = {"tiny_op_overhead_us": tiny * 1e6}
 
-  for dtype in ("float32", "bfloat16"):
-    figures[f"matmul_{dtype}_gflops"] = {
-        f"{m}x{k}x{k2}": work[f"matmul_{dtype}/{m}x{k}x{k2}"]["dot_flops"]
-        / busy_s(f"matmul_{dtype}/{m}x{k}x{k2}") / 1e9 for m, k, k2 in cfg[f"matmul_{dtype}"]}
-  figures["memory_gb_s"] = work["memory"]["bytes"] / busy_s("memory") / 1e9
-  figures["memory_per_device_gib"] = _physical_memory_bytes() / n / 2**30
+    def busy_s(name: str) -> float:  # a program's time less its ops' tiny overhead
+      return max(seconds[name] - work[name]["ops"] * tiny, 1e-9)
 
-  if n > 1:
-    alphas = []  # (kind, group size, alpha)
-    for kind in collective_ops:
-      for g in meshes:
-        names = [f"{kind}/{g}/{kib}" for kib in cfg["coll_kib"]]
-        sizes = [work[m]["collective_bytes"] / work[m]["collectives"] for m in names]
-        # Less the ops the chain adds around them (all-gather: the slice), as costed.
-        times = [max(busy_s(m) - work[m]["bytes"] / (figures["memory_gb_s"] * 1e9), 1e-9)
-                 / work[m]["collectives"] for m in names]
-        alpha, beta = _fit_alpha_beta(sizes, times)
-        alphas.append((kind, g, alpha))
-        figures[f"{kind}_points_group_{g}"] = [[s, t] for s, t in zip(sizes, times)]
-        if g == n:  # bandwidth from the group of all active devices
-          figures[f"{kind}_alpha_s"], figures[f"{kind}_beta_s_per_byte"] = alpha, beta
-    figures["collective_base_s"], figures["collective_hop_s"] = _fit_latency(alphas)
-  else:  # one device: nothing to communicate; a "collective" is a memory copy
-    for name in ("allreduce", "allgather"):
-      figures[f"{name}_alpha_s"] = overhead
-      figures[f"{name}_beta_s_per_byte"] = 1.0 / (figures["memory_gb_s"] * 1e9)
-    figures["collective_base_s"], figures["collective_hop_s"] = overhead, 0.0
-  return figures
+    for dtype in ("float32", "bfloat16"):
+      f[f"matmul_{dtype}_gflops"] = {
+          f"{m}x{k}x{k2}": work[f"matmul_{dtype}/{m}x{k}x{k2}"]["dot_flops"]
+          / busy_s(f"matmul_{dtype}/{m}x{k}x{k2}") / 1e9 for m, k, k2 in cfg[f"matmul_{dtype}"]}
+    f["memory_gb_s"] = work["memory"]["bytes"] / busy_s("memory") / 1e9
+    f["memory_per_device_gib"] = _physical_memory_bytes() / n / 2**30
+
+    if n > 1:
+      alphas = []  # (kind, group size, alpha)
+      for kind in _COLLECTIVES:
+        for g in self.meshes:
+          names = [f"{kind}/{g}/{kib}" for kib in cfg["coll_kib"]]
+          sizes = [work[m]["collective_bytes"] / work[m]["collectives"] for m in names]
+          # Less the ops around them (all-gather: the slice), as the cost model costs them.
+          times = [max(busy_s(m) - work[m]["bytes"] / (f["memory_gb_s"] * 1e9), 1e-9)
+                   / work[m]["collectives"] for m in names]
+          alpha, beta = _fit_alpha_beta(sizes, times)
+          alphas.append((kind, g, alpha))
+          f[f"{kind}_points_group_{g}"] = [[s, t] for s, t in zip(sizes, times)]
+          if g == n:  # bandwidth from the group of all active devices
+            f[f"{kind}_alpha_s"], f[f"{kind}_beta_s_per_byte"] = alpha, beta
+      f["collective_base_s"], f["collective_hop_s"] = _fit_latency(alphas)
+    else:  # one device: nothing to communicate; a "collective" is a memory copy
+      for kind in _COLLECTIVES:
+        f[f"{kind}_alpha_s"] = tiny
+        f[f"{kind}_beta_s_per_byte"] = 1.0 / (f["memory_gb_s"] * 1e9)
+      f["collective_base_s"], f["collective_hop_s"] = tiny, 0.0
+
+    # The per-op overhead: the reference program's time beyond the cost model's time for
+    # its ops at the rates above (no overhead), per op.
+    from projection import cost_model, hlo  # lazy: hardware/ does not otherwise need them
+
+    rates = profile_to_hardware({"identity": machine_identity(), "devices": n,
+                                 "measured_at": "", "duration_s": 0,
+                                 "figures": {**f, "op_overhead_us": 0.0}})
+    program = hlo.analyze(self.jobs["reference"][0].as_text())
+    modelled = cost_model.simulate(program.entry, rates, lambda node: 0.0).step_s
+    f["reference_s"], f["reference_modelled_s"] = seconds["reference"], modelled
+    f["reference_ops"] = work["reference"]["ops"]
+    f["op_overhead_us"] = max(seconds["reference"] - modelled, 0.0) / f["reference_ops"] * 1e6
+    return f
+
+
+_COLLECTIVES = {
+    "allreduce": lambda jax, v: jax.lax.psum(v, "g"),
+    # The first shard of the result is sliced out to chain the next one.
+    "allgather": lambda jax, v: jax.lax.all_gather(v, "g", tiled=True)[:v.shape[0]]}
+
+
+def _reference_state(jnp) -> dict[str, Any]:
+  """Parameters and Adam moments of the reference program: vocabulary 256, context 64,
+  2 layers, d_model 64, 4 heads of 16, MLP 256, biases and norm scales."""
+  shapes = {"embed": (256, 64), "position": (64, 64), "final_scale": (64,),
+            "wqkv": (2, 64, 192), "bqkv": (2, 192), "wo": (2, 64, 64), "bo": (2, 64),
+            "w1": (2, 64, 256), "b1": (2, 256), "w2": (2, 256, 64), "b2": (2, 64),
+            "scale1": (2, 64), "scale2": (2, 64)}
+  params = {name: jnp.full(shape, 0.02, jnp.float32) for name, shape in shapes.items()}
+  zeros = {name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()}
+  return {"params": params, "m": zeros, "v": dict(zeros)}
+
+
+def _reference_step(jax, jnp, state: dict[str, Any], tokens) -> dict[str, Any]:
+  """One AdamW step, gradients clipped by global norm, of a small pre-LN decoder on
+  tokens [batch, 64]: the kinds of op a small GPT's train step runs (embeddings, norms,
+  dense layers, causal softmax attention, GELU, tied logits, cross-entropy, their
+  gradients, a layer scan, the optimizer's per-parameter updates), written
+  independently of model/gpt.py and train/."""
+  def norm(h, scale):
+    mean = h.mean(-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(jnp.square(h - mean).mean(-1, keepdims=True) + 1e-5) * scale
+
+  def layer(h, p):
+    b, t, _ = h.shape
+    qkv = norm(h, p["scale1"]) @ p["wqkv"] + p["bqkv"]
+    q, k, v = jnp.split(qkv.reshape(b, t, 3 * 4, 16), 3, axis=2)
+    scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / 4.0
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e30)
+    attended = jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(scores, axis=-1), v)
+    h = h + attended.reshape(b, t, 64) @ p["wo"] + p["bo"]
+    return h + jax.nn.gelu(norm(h, p["scale2"]) @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"], None
+
+  def loss(p):
+    layers = {name: w for name, w in p.items() if w.ndim > 1 and w.shape[0] == 2}
+    h = jax.lax.scan(layer, p["embed"][tokens] + p["position"], layers)[0]
+    logits = norm(h, p["final_scale"]) @ p["embed"].T
+    targets = jnp.roll(tokens, -1, axis=1)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1).mean()
+
+  grads = jax.grad(loss)(state["params"])
+  norm_sq = sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))
+  grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / jnp.sqrt(norm_sq)), grads)
+  m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["m"], grads)
+  v = jax.tree.map(lambda v, g: 0.95 * v + 0.05 * g * g, state["v"], grads)
+  params = jax.tree.map(lambda w, m, v: w - 1e-3 * (m / (jnp.sqrt(v) + 1e-8) + 0.1 * w),
+                        state["params"], m, v)
+  return {"params": params, "m": m, "v": v}
 
 
 def _counts(compiled) -> dict[str, float]:
@@ -293,13 +391,15 @@ def _typical_times(jobs: dict[str, tuple[Callable, Any]], rounds: int) -> dict[s
   a small model's step is what such a step sees: on a shared machine it takes longer
   than on a quiet one, and a profile of the quiet machine (minimum times) would project
   the quiet machine's steps, which the measured medians do not reach."""
+  import jax
+
   for fn, x in jobs.values():
-    fn(x).block_until_ready()
+    jax.block_until_ready(fn(x))
   times: dict[str, list[float]] = {name: [] for name in jobs}
   for _ in range(rounds):
     for name, (fn, x) in jobs.items():
       t0 = time.perf_counter()
-      fn(x).block_until_ready()
+      jax.block_until_ready(fn(x))
       times[name].append(time.perf_counter() - t0)
   return {name: float(np.median(t)) for name, t in times.items()}
 
