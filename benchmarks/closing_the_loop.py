@@ -29,7 +29,7 @@ if ROOT not in sys.path:
 import platform_env  # noqa: E402
 
 if __name__ == "__main__":
-  platform_env.configure(16)  # fsdp 8 compiles on 2 x 8 (projection/layout.py)
+  platform_env.configure(8)
 
 # pylint: disable=wrong-import-position
 import jax  # noqa: E402

@@ -19,6 +19,11 @@ from model.config import ModelConfig
 from parallelism.rules import constrain
 
 _REMAT = {
+    # No matmul is recomputed, but LayerNorm, GELU and softmax are: their intermediates
+    # would otherwise be stacked over layers by the scan, written in the forward pass
+    # and read back in the backward. On CPU those memory passes cost more than the
+    # recomputation, and the step's temporary memory roughly halves.
+    "none": jax.checkpoint_policies.dots_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
     # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -117,9 +122,8 @@ class GPT(nnx.Module):
 
     layer_params = {name: cast(v) for name, v in vars(self.layers).items()
                     if isinstance(v, nnx.Param)}
-    step = lambda carry, p: (block(carry, p), None)
-    if cfg.remat != "none":
-      step = jax.checkpoint(step, policy=_REMAT[cfg.remat], prevent_cse=False)
+    step = jax.checkpoint(lambda carry, p: (block(carry, p), None),
+                          policy=_REMAT[cfg.remat], prevent_cse=False)
     x, _ = jax.lax.scan(step, x, layer_params)
 
     x = layer_norm(x, cast(self.lnf_scale), cast(self.lnf_bias))
