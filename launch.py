@@ -20,6 +20,18 @@ import platform_env
 PROJECTION_HOST_DEVICES = 512
 
 
+def _projects(argv: list[str]) -> bool:
+  """Whether the run projects: --mode=project, or a sweep whose definition projects."""
+  if "--mode=project" in argv:
+    return "--hardware=host" not in argv
+  if "--mode=sweep" in argv:
+    from sweep import definitions  # pylint: disable=import-outside-toplevel (imports no jax)
+    names = [a.split("=", 1)[1] for a in argv if a.startswith("--experiment=")]
+    definition = definitions.SWEEPS.get(names[-1] if names else "")
+    return definition is not None and definition.mode == "project"
+  return False
+
+
 def _host_devices_from_argv(argv: list[str]) -> int:
   """The host platform is sized before jax starts, so --devices and --mode are read early."""
   for arg in argv:
@@ -27,8 +39,8 @@ def _host_devices_from_argv(argv: list[str]) -> int:
       value = arg.split("=", 1)[1]
       if value.isdigit() and int(value) > platform_env.DEFAULT_HOST_DEVICES:
         return int(value)
-    if arg == "--mode=project" and "--hardware=host" not in argv:
-      return PROJECTION_HOST_DEVICES
+  if _projects(argv):
+    return PROJECTION_HOST_DEVICES
   return platform_env.DEFAULT_HOST_DEVICES
 
 
@@ -51,17 +63,22 @@ from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
 from projection import project
 from report import results, table
+from sweep import definitions as sweeps
+from sweep import runner as sweep_runner
+from sweep import summary as sweep_summary
+from train import hooks as hooks_lib
 from train import loop
 from train import step as train_step
 
-MODES = ("train", "benchmark", "project")
+MODES = ("train", "benchmark", "project", "sweep")
 
 _EXPERIMENT = flags.DEFINE_string("experiment", "tiny", "Experiment name: a file in experiments/.")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
 _MODE = flags.DEFINE_enum("mode", "train", MODES,
                           "train: run the experiment's task and record losses; "
                           "benchmark: time the step on synthetic tokens; "
-                          "project: compile for --hardware and cost it on --gpus GPUs.")
+                          "project: compile for --hardware and cost it on --gpus GPUs; "
+                          "sweep: the experiment's sweep (sweep/definitions.py).")
 _STEPS = flags.DEFINE_integer("steps", None, "Timed steps (overrides train.steps).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices", None, "Use the first N local devices (default: all).",
                                 lower_bound=1)
@@ -69,24 +86,27 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs", "Where results.jsonl is 
 _HARDWARE = flags.DEFINE_list("hardware", ["h100"], "project: hardware names "
                               "(a100, h100, h200, b200, gb200, gb300, host), comma-separated.")
 _GPUS = flags.DEFINE_list("gpus", ["512"], "project: GPU counts, comma-separated.")
+_PROFILE_STEPS = flags.DEFINE_string("profile_steps", None, "A:B: a JAX profiler trace of steps "
+                                     "A..B-1 (from 0, warm-up included) in OUTPUT_DIR/profile.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override of a config field, repeatable "
                                  "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).")
 
 
-def _experiment() -> experiments.ExperimentConfig:
-  exp = overrides.apply(experiments.load(_EXPERIMENT.value), _SET.value)
+def _experiment(mode: str, first: tuple[str, ...] = ()) -> experiments.ExperimentConfig:
+  """The experiment with `first` then the user's --set overrides applied."""
+  exp = overrides.apply(experiments.load(_EXPERIMENT.value), [*first, *_SET.value])
   if _STEPS.value:
     exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=_STEPS.value))
-  if _MODE.value == "benchmark":
+  if mode == "benchmark":
     exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, task="synthetic"))
   exp.model.validate()
   exp.train.validate()
   return exp
 
 
-def _devices() -> list:
+def _devices(wanted: int | None) -> list:
   available = jax.devices()
-  wanted = _DEVICES.value or len(available)
+  wanted = wanted or len(available)
   if wanted > len(available):
     raise UserInputError(f"--devices must be at most {len(available)} here, got {wanted}")
   return available[:wanted]
@@ -123,8 +143,25 @@ def _peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
   raise UserInputError(f"--devices: no peak figure for {devices[0].device_kind} in hardware/catalog.py")
 
 
-def _run_measured(exp: experiments.ExperimentConfig) -> dict:
-  devices = _devices()
+def _step_hooks(exp: experiments.ExperimentConfig, mode: str, devices: int,
+                peak_tflops: float) -> list[hooks_lib.StepHook]:
+  """TensorBoard scalars in OUTPUT_DIR/tensorboard/<run>, and the --profile_steps trace."""
+  run = (f"{exp.name}_{mode}_{devices}dev_"
+         f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+  hooks = [hooks_lib.TensorBoardHook(
+      os.path.join(_OUTPUT_DIR.value, "tensorboard", run),
+      exp.train.global_batch * exp.model.seq_len, train_flops_per_token(exp.model), devices,
+      peak_tflops)]
+  if _PROFILE_STEPS.value:
+    start, stop = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
+                                                exp.train.warmup_steps + exp.train.steps)
+    hooks.append(hooks_lib.ProfileHook(os.path.join(_OUTPUT_DIR.value, "profile"), start, stop))
+  return hooks
+
+
+def _run_measured(exp: experiments.ExperimentConfig, mode: str,
+                  num_devices: int | None = None) -> dict:
+  devices = _devices(num_devices)
   layout = mesh_lib.plan(exp.mesh, len(devices))
   mesh = mesh_lib.build_mesh(layout, devices)
   program = train_step.build(exp.model, exp.train, mesh)
@@ -133,10 +170,11 @@ def _run_measured(exp: experiments.ExperimentConfig) -> dict:
       f"Mesh: {layout.devices} {devices[0].platform.upper()} devices as {layout.nodes} nodes "
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
-  run = loop.run(program, exp.model, exp.train)
+  hooks = _step_hooks(exp, mode, layout.devices, peak)
+  run = loop.run(program, exp.model, exp.train, hooks)
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   record = {
-      "mode": _MODE.value, "experiment": exp.name, "model": exp.model.name,
+      "mode": mode, "experiment": exp.name, "model": exp.model.name,
       "params": param_count(exp.model), "devices": layout.devices, "nodes": layout.nodes,
       "mesh": layout.sizes, "mesh_nvlink": layout.nvlink, "mesh_infiniband": layout.infiniband,
       "global_batch": exp.train.global_batch, "seq_len": exp.model.seq_len,
@@ -146,9 +184,10 @@ def _run_measured(exp: experiments.ExperimentConfig) -> dict:
       **loop.summarize(run, tokens_per_step, layout.devices,
                        train_flops_per_token(exp.model), peak),
       "peak_source": peak_source,
+      **{f"{type(h).__name__.removesuffix('Hook').lower()}_dir": h.log_dir for h in hooks},
       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
-  if _MODE.value == "train":
+  if mode == "train":
     record["losses"] = run.losses
   return record
 
@@ -220,6 +259,15 @@ def _print_projection(records: list[dict]) -> None:
     print(f"note: compiled on host CPU devices: {note}")
 
 
+def _run_sweep() -> None:
+  definition = sweeps.get(_EXPERIMENT.value)
+  exp = _experiment(definition.mode, definition.overrides)
+  records = sweep_runner.run(exp, definition, _OUTPUT_DIR.value,
+                             lambda e, n: _run_measured(e, "benchmark", n),
+                             jax.devices()[0].platform)
+  sweep_summary.finish(records, _OUTPUT_DIR.value)
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise UserInputError(f"unexpected argument {argv[1]!r}; flags take the form --name=value")
@@ -227,12 +275,15 @@ def main(argv: list[str]) -> None:
     for name in experiments.names():
       print(f"{name:<16} {experiments.load(name).description}")
     return
-  exp = _experiment()
+  if _MODE.value == "sweep":
+    _run_sweep()
+    return
+  exp = _experiment(_MODE.value)
   if _MODE.value == "project":
     _print_projection(_run_projection(exp))
     print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
     return
-  record = _run_measured(exp)
+  record = _run_measured(exp, _MODE.value, _DEVICES.value)
   path = results.append(_OUTPUT_DIR.value, record)
   _print_record(record)
   print(f"\nappended to {path}")

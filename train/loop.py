@@ -7,6 +7,7 @@ its batch is generated and placed on the devices before the clock starts.
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from model.config import ModelConfig
 from train import data
 from train.config import TrainConfig
+from train.hooks import StepHook
 from train.step import TrainProgram
 
 
@@ -26,7 +28,8 @@ class RunResult:
   final_state: object
 
 
-def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig) -> RunResult:
+def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
+        hooks: Sequence[StepHook] = ()) -> RunResult:
   B, T = train_cfg.global_batch, model_cfg.seq_len
   t0 = time.perf_counter()
   lowered = program.lower(B, T)
@@ -39,12 +42,19 @@ def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig) -
   for step in range(train_cfg.warmup_steps + train_cfg.steps):
     batch = data.batch(train_cfg.task, train_cfg.seed, step, B, T, model_cfg.vocab_size)
     batch = jax.block_until_ready(jax.device_put(batch, program.batch_sharding))
+    for hook in hooks:
+      hook.before_step(step)
     start = time.perf_counter()
     state, metrics = compiled(state, batch)
     jax.block_until_ready((state, metrics))
+    elapsed = time.perf_counter() - start
     if step >= train_cfg.warmup_steps:
-      step_times.append(time.perf_counter() - start)
+      step_times.append(elapsed)
     losses.append(float(metrics["loss"]))
+    for hook in hooks:
+      hook.after_step(step, metrics, elapsed)
+  for hook in hooks:
+    hook.close()
   return RunResult(t1 - t0, t2 - t1, step_times, losses, state)
 
 

@@ -1,0 +1,90 @@
+"""Sweeps as data: which points an experiment's sweep visits and how its batch scales.
+
+A sweep runs one or two series per hardware generation, each over ascending device
+counts: *strong* scaling keeps the experiment's global batch at every count; *weak*
+scaling gives every data-parallel replica (data x fsdp) the same number of sequences, so
+the global batch grows with the count. `--mode=sweep --experiment=NAME` runs SWEEPS[NAME].
+"""
+
+import dataclasses
+
+from errors import UserInputError
+
+GENERATIONS = ("a100", "h100", "h200", "b200", "gb200", "gb300")
+# Powers of two from one HGX node up, plus the GPU counts of published MLPerf GPT-3 runs:
+# 10,752 H100 (v3.1, ../shared/reference/mlperf-gpt3.md) and 11,616 H100 (NVIDIA's v4.0
+# submission, MLPerf Training v4.0 results, June 2024).
+GPU_COUNTS = tuple(sorted([2**k for k in range(3, 15)] + [10752, 11616]))
+# The device counts of this machine's measured sweeps (tests/conftest.py and launch.py
+# give a process 8 host CPU devices).
+HOST_DEVICE_COUNTS = (1, 2, 4, 8)
+
+# Tokens the MLPerf GPT-3 175B benchmark trains to reach its target at global batch 2,048:
+# 288 steps x 2,048 sequences x 2,048 tokens (../shared/reference/mlperf-gpt3.md, tallied
+# from the published result logs). Time to train is that budget over the throughput.
+MLPERF_GPT3_TOKENS = 288 * 2048 * 2048
+
+# Published MLPerf Training GPT-3 175B results: (round and system, hardware, GPUs, minutes).
+# Source: ../shared/reference/mlperf-gpt3.md (mlcommons/training_results_v3.1 and v4.1).
+MLPERF_GPT3_RESULTS = (
+  ("v3.1 NVIDIA Eos", "h100", 10752, 3.92),
+  ("v3.1 Azure ND H100 v5", "h100", 10752, 4.01),
+  ("v4.1 NVIDIA Eos", "h100", 512, 49.80),
+)
+
+SCALINGS = ("strong", "weak")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  mode: str  # "project" (GPU clusters) or "benchmark" (measured here)
+  counts: tuple[int, ...]  # GPUs (project) or local devices (benchmark)
+  hardware: tuple[str, ...] = ()  # project: generations; benchmark: none (this machine)
+  scalings: tuple[str, ...] = SCALINGS
+  # Weak scaling: sequences per data-parallel replica per step.
+  weak_sequences_per_replica: int = 2
+  # `--set` assignments applied before the user's own (which win).
+  overrides: tuple[str, ...] = ()
+  # Tokens to train for time to train (0: none). Records that carry their own
+  # `time_to_train_min` (experiments that define a target) keep theirs.
+  token_budget: int = 0
+  token_budget_label: str = ""
+
+
+_GPT3 = Sweep(
+  mode="project",
+  counts=GPU_COUNTS,
+  hardware=GENERATIONS,
+  # 2 sequences per replica is MLPerf v3.1's global batch of 2,688 at 10,752 GPUs
+  # (1,344 replicas of tensor 8); the strong series keeps the GPT-3 paper's 1,536.
+  weak_sequences_per_replica=2,
+  token_budget=MLPERF_GPT3_TOKENS,
+  token_budget_label="1.21 B tokens (MLPerf GPT-3 175B at global batch 2,048)",
+)
+
+# Measured sweeps: pure data parallelism, so every device count from 1 up has a mesh.
+_HOST = Sweep(
+  mode="benchmark",
+  counts=HOST_DEVICE_COUNTS,
+  overrides=("mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1"),
+)
+
+SWEEPS = {
+  "gpt3": _GPT3,
+  # The MLPerf experiment (experiments/mlperf_gpt3_175b.py) defines its own batch and
+  # time to train, so its sweep keeps the batch fixed: one series per generation.
+  "mlperf_gpt3_175b": dataclasses.replace(
+    _GPT3, scalings=("strong",), token_budget=0, token_budget_label=""
+  ),
+  "tiny": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=5")),
+  "cpu_char": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=3")),
+}
+
+
+def get(name: str) -> Sweep:
+  if name not in SWEEPS:
+    raise UserInputError(
+      f"--experiment: no sweep is defined for {name!r}; sweeps: "
+      f"{', '.join(sorted(SWEEPS))} (sweep/definitions.py)"
+    )
+  return SWEEPS[name]

@@ -1,0 +1,138 @@
+"""Run a sweep point by point, appending each result as it finishes; resume by skipping.
+
+Every point gets a key: experiment, mode, scaling, hardware, device count and a
+fingerprint of the experiment's configuration (after `--set`), so a sweep started again
+on the same directory skips the points whose records are there, and a sweep of another
+configuration does not. Points that cannot run (the mesh does not divide the count, the
+batch does not divide over the replicas, the model does not fit) are recorded with the
+reason and count as done; a point that fails unexpectedly is recorded as failed and is
+tried again next time.
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import sys
+from collections.abc import Callable
+
+import tqdm
+
+from errors import UserInputError
+from parallelism import mesh as mesh_lib
+from projection import layout, project
+from report import results
+from sweep import metrics
+from sweep.definitions import Sweep
+
+# (experiment, device count) -> a measured record, as launch.py's benchmark mode makes it.
+Measure = Callable[[object, int], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  scaling: str
+  hardware: str  # a generation (project) or the platform (benchmark)
+  devices: int
+
+
+def config_fingerprint(exp) -> str:
+  """Short, stable hash of the whole experiment configuration (frozen dataclasses)."""
+  return hashlib.sha1(repr(exp).encode()).hexdigest()[:10]
+
+
+def points(sweep: Sweep, platform: str) -> list[Point]:
+  """In the order they run: by hardware first, so that one generation's points share
+  one compile, then by scaling rule, then by ascending count (baselines first)."""
+  hardware = sweep.hardware if sweep.mode == "project" else (platform,)
+  return [Point(s, h, n) for h in hardware for s in sweep.scalings for n in sorted(sweep.counts)]
+
+
+def point_key(exp, sweep: Sweep, point: Point) -> str:
+  return (
+    f"{exp.name}/{sweep.mode}/{point.scaling}/{point.hardware}/{point.devices}/"
+    f"{config_fingerprint(exp)}"
+  )
+
+
+def _replicas(exp, sweep: Sweep, point: Point) -> int:
+  """Data-parallel replicas (data x fsdp) of the experiment's mesh at this point."""
+  if sweep.mode == "project":
+    hw = project.hardware(point.hardware, point.devices)
+    sizes = layout.target_layout(
+      exp.mesh, point.devices, hw.gpus_per_node, hw.nvlink_domain_size
+    ).sizes
+  else:
+    sizes = mesh_lib.plan(exp.mesh, point.devices).sizes
+  return sizes["data"] * sizes["fsdp"]
+
+
+def point_experiment(exp, sweep: Sweep, point: Point):
+  """The experiment as this point runs it: weak scaling sets the global batch."""
+  if point.scaling == "strong":
+    return exp
+  batch = sweep.weak_sequences_per_replica * _replicas(exp, sweep, point)
+  return dataclasses.replace(exp, train=dataclasses.replace(exp.train, global_batch=batch))
+
+
+def _run_point(exp, sweep: Sweep, point: Point, measure: Measure) -> dict:
+  try:
+    point_exp = point_experiment(exp, sweep, point)
+    if sweep.mode == "project":
+      record = project.project(point_exp, point.hardware, point.devices)
+    else:
+      record = measure(point_exp, point.devices)
+  except UserInputError as e:
+    return {"status": "cannot_run", "reason": str(e)}
+  except Exception as e:  # pylint: disable=broad-except
+    # Recorded and retried on the next run rather than losing the points after it.
+    return {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+  record["status"] = "ok" if record.get("fits", True) else "does_not_fit"
+  return record
+
+
+def run(exp, sweep: Sweep, output_dir: str, measure: Measure, platform: str) -> list[dict]:
+  """Run the points not yet in `output_dir`; return every record of this sweep."""
+  fingerprint = config_fingerprint(exp)
+  keyed = {point_key(exp, sweep, p): p for p in points(sweep, platform)}
+  done = {
+    r["sweep_key"]: r
+    for r in results.read(output_dir)
+    if r.get("sweep_key") in keyed and r["status"] != "failed"
+  }
+  todo = [k for k in keyed if k not in done]
+  if done:
+    print(f"{len(done)} of {len(keyed)} points already in {output_dir}: skipped")
+  baselines = {}
+  for key in keyed:  # in run order, so the first "ok" point of a series is its baseline
+    if key in done and done[key]["status"] == "ok":
+      baselines.setdefault(metrics.series_key(done[key]), done[key])
+  progress = tqdm.tqdm(
+    todo, desc=f"sweep {exp.name}", unit="point", disable=not todo, file=sys.stdout
+  )
+  for key in progress:
+    point = keyed[key]
+    progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
+    record = _run_point(exp, sweep, point, measure)
+    record.update(
+      {
+        "sweep": exp.name,
+        "sweep_key": key,
+        "sweep_config": fingerprint,
+        "sweep_mode": sweep.mode,
+        "scaling": point.scaling,
+        "hardware": point.hardware,
+        "devices": point.devices,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      }
+    )
+    record.setdefault("experiment", exp.name)
+    if record["status"] == "failed":
+      progress.write(f"point {key} failed: {record['reason']}")
+    series = metrics.series_key(record)
+    record = metrics.annotate(record, baselines.get(series), sweep)
+    if record["status"] == "ok":
+      baselines.setdefault(series, record)
+    results.append(output_dir, record)
+    done[key] = record
+  progress.close()
+  return [done[k] for k in keyed]

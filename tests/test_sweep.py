@@ -1,0 +1,169 @@
+"""Sweeps: resume, CSV against JSON Lines, plots and report; TensorBoard and profiler hooks.
+
+The sweep is the real runner on real projections of a 2-layer GPT (tiny) on H100s, so
+the plots draw numbers a user would see; GPT-3 175B sweeps are timed outside the tests.
+"""
+
+import csv
+import dataclasses
+import glob
+import json
+import os
+import struct
+
+import jax
+import pytest
+from tensorboardX.proto import event_pb2
+
+import experiments
+from errors import UserInputError
+from parallelism.mesh import MeshConfig, build_mesh, plan
+from projection import project
+from report import export, plots, results, sweep_report
+from sweep import runner
+from sweep.definitions import Sweep
+from train import hooks, loop
+from train import step as train_step
+
+SWEEP = Sweep(
+  mode="project",
+  counts=(4, 8, 16),
+  hardware=("h100",),
+  token_budget=10**9,
+  token_budget_label="1 B tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("sweep"))
+  exp = experiments.load("tiny")
+  return exp, out, runner.run(exp, SWEEP, out, measure=None, platform="cpu")
+
+
+def _by_point(records):
+  return {(r["scaling"], r["devices"]): r for r in records}
+
+
+def test_every_point_is_recorded_including_those_that_cannot_run(swept):
+  _, out, records = swept
+  assert len(records) == len(results.read(out)) == 6  # strong and weak x 3 counts
+  by = _by_point(records)
+  for scaling in ("strong", "weak"):
+    assert by[(scaling, 4)]["status"] == "cannot_run"
+    assert "whole number of 8-GPU nodes" in by[(scaling, 4)]["reason"]
+    assert by[(scaling, 8)]["status"] == by[(scaling, 16)]["status"] == "ok"
+  assert by[("strong", 8)]["global_batch"] == by[("strong", 16)]["global_batch"] == 16
+  # weak: 2 sequences per data x fsdp replica (8 GPUs: data 2 x fsdp 2 x tensor 2)
+  assert by[("weak", 8)]["global_batch"] == 8 and by[("weak", 16)]["global_batch"] == 16
+
+
+def test_efficiency_and_time_to_train(swept):
+  by = _by_point(swept[2])
+  base, big = by[("strong", 8)], by[("strong", 16)]
+  assert base["scaling_efficiency"] == 1.0 and big["scaling_baseline_devices"] == 8
+  speed_up = base["step_time_s"] / big["step_time_s"]
+  assert big["scaling_efficiency"] == pytest.approx(speed_up / 2)
+  assert 0 < big["scaling_efficiency"] < 1.5
+  assert big["time_to_train_min"] == pytest.approx(1e9 / big["tokens_per_s"] / 60)
+
+
+def test_interrupted_sweep_resumes_with_the_missing_points_only(swept, tmp_path, monkeypatch):
+  exp, out, records = swept
+  lines = open(os.path.join(out, "results.jsonl")).readlines()
+  (tmp_path / "results.jsonl").write_text("".join(lines[:-2]))  # as if killed 2 points early
+  calls = []
+  real = project.project
+  monkeypatch.setattr(project, "project", lambda *a: calls.append(a[1:]) or real(*a))
+  again = runner.run(exp, SWEEP, str(tmp_path), measure=None, platform="cpu")
+  assert calls == [("h100", 8), ("h100", 16)]  # the weak series' two points
+  assert len(results.read(str(tmp_path))) == 6
+  for old, new in zip(records, again):
+    assert {k: v for k, v in old.items() if k != "time"} == {
+      k: v for k, v in new.items() if k != "time"
+    }
+  runner.run(exp, SWEEP, str(tmp_path), measure=None, platform="cpu")
+  assert len(calls) == 2 and len(results.read(str(tmp_path))) == 6
+  # another configuration is another sweep: nothing of it is skipped
+  other = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=3))
+  assert runner.point_key(other, SWEEP, runner.points(SWEEP, "cpu")[0]) not in {
+    r["sweep_key"] for r in results.read(str(tmp_path))
+  }
+
+
+def test_csv_agrees_with_jsonl(swept):
+  _, out, _ = swept
+  export.write_csv(out)
+  with open(os.path.join(out, "results.csv"), newline="") as f:
+    rows = list(csv.DictReader(f))
+  records = results.read(out)
+  assert len(rows) == len(records)
+  for row, record in zip(rows, records):
+    flat = export.flatten(record)
+    assert set(flat) <= set(row)
+    for key, value in flat.items():
+      if isinstance(value, float):
+        assert float(row[key]) == value, key
+      else:
+        assert row[key] == ("" if value is None else str(value)), key
+    assert all(row[k] == "" for k in set(row) - set(flat))
+  assert "breakdown.exposed_comm_s" in rows[1]
+
+
+def test_plots_and_report_are_written(swept):
+  _, out, records = swept
+  written = plots.write_all(records, out)
+  assert set(written) == {"scaling_efficiency", "time_to_train", "step_breakdown", "memory"}
+  for path in written.values():
+    with open(path, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 10_000
+  report = open(sweep_report.write(records, written, out)).read()
+  for name in written:
+    assert f"]({name}.png)" in report
+  assert "4 of 6 points ran" in report and "2 cannot run" in report
+
+
+def _events(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+  """Scalars of a TensorBoard event file (TFRecord framing: length, crc, data, crc)."""
+  (path,) = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+  scalars, data = {}, open(path, "rb").read()
+  while data:
+    (length,) = struct.unpack("<Q", data[:8])
+    event = event_pb2.Event.FromString(data[12 : 12 + length])
+    data = data[12 + length + 4 :]
+    for value in event.summary.value:
+      scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_training_writes_tensorboard_scalars_and_a_profile(tmp_path):
+  exp = experiments.load("tiny")
+  model = dataclasses.replace(exp.model, num_layers=1)
+  train = dataclasses.replace(exp.train, global_batch=4, steps=2, warmup_steps=1)
+  mesh = build_mesh(plan(MeshConfig(), 1), jax.devices()[:1])
+  program = train_step.build(model, train, mesh)
+  start, stop = hooks.parse_profile_steps("1:3", 3)
+  tb = hooks.TensorBoardHook(str(tmp_path / "tb"), 4 * model.seq_len, 1e6, 1, 1.0)
+  result = loop.run(
+    program, model, train, [tb, hooks.ProfileHook(str(tmp_path / "profile"), start, stop)]
+  )
+  scalars = _events(str(tmp_path / "tb"))
+  assert set(scalars) == {
+    "train/loss",
+    "train/learning_rate",
+    "perf/step_time_s",
+    "perf/tokens_per_s",
+    "perf/mfu",
+  }
+  assert [s for s, _ in scalars["train/loss"]] == [0, 1, 2]
+  assert [v for _, v in scalars["train/loss"]] == pytest.approx(result.losses)
+  assert scalars["perf/step_time_s"][2][1] == pytest.approx(result.step_times_s[1], rel=1e-6)
+  traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+
+
+@pytest.mark.parametrize("text", ["3", "2:2", "a:b", "0:9"])
+def test_bad_profile_steps(text):
+  with pytest.raises(UserInputError, match="--profile_steps"):
+    hooks.parse_profile_steps(text, 5)
