@@ -143,8 +143,8 @@ def _peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
   raise UserInputError(f"--devices: no peak figure for {devices[0].device_kind} in hardware/catalog.py")
 
 
-def _step_hooks(exp: experiments.ExperimentConfig, mode: str, devices: int,
-                peak_tflops: float) -> list[hooks_lib.StepHook]:
+def _step_hooks(exp: experiments.ExperimentConfig, mode: str, devices: int, peak_tflops: float,
+                profile: tuple[int, int] | None) -> list[hooks_lib.StepHook]:
   """TensorBoard scalars in OUTPUT_DIR/tensorboard/<run>, and the --profile_steps trace."""
   run = (f"{exp.name}_{mode}_{devices}dev_"
          f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
@@ -152,15 +152,17 @@ def _step_hooks(exp: experiments.ExperimentConfig, mode: str, devices: int,
       os.path.join(_OUTPUT_DIR.value, "tensorboard", run),
       exp.train.global_batch * exp.model.seq_len, train_flops_per_token(exp.model), devices,
       peak_tflops)]
-  if _PROFILE_STEPS.value:
-    start, stop = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
-                                                exp.train.warmup_steps + exp.train.steps)
-    hooks.append(hooks_lib.ProfileHook(os.path.join(_OUTPUT_DIR.value, "profile"), start, stop))
+  if profile:
+    hooks.append(hooks_lib.ProfileHook(os.path.join(_OUTPUT_DIR.value, "profile"), *profile))
   return hooks
 
 
 def _run_measured(exp: experiments.ExperimentConfig, mode: str,
                   num_devices: int | None = None) -> dict:
+  profile = None
+  if _PROFILE_STEPS.value:
+    profile = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
+                                            exp.train.warmup_steps + exp.train.steps)
   devices = _devices(num_devices)
   layout = mesh_lib.plan(exp.mesh, len(devices))
   mesh = mesh_lib.build_mesh(layout, devices)
@@ -170,7 +172,7 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
       f"Mesh: {layout.devices} {devices[0].platform.upper()} devices as {layout.nodes} nodes "
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
-  hooks = _step_hooks(exp, mode, layout.devices, peak)
+  hooks = _step_hooks(exp, mode, layout.devices, peak, profile)
   run = loop.run(program, exp.model, exp.train, hooks)
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   record = {
@@ -184,9 +186,11 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
       **loop.summarize(run, tokens_per_step, layout.devices,
                        train_flops_per_token(exp.model), peak),
       "peak_source": peak_source,
-      **{f"{type(h).__name__.removesuffix('Hook').lower()}_dir": h.log_dir for h in hooks},
+      "tensorboard_dir": hooks[0].log_dir,
       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
+  if profile:
+    record["profile_dir"] = hooks[-1].log_dir
   if mode == "train":
     record["losses"] = run.losses
   return record
@@ -266,6 +270,11 @@ def _run_sweep() -> None:
                              lambda e, n: _run_measured(e, "benchmark", n),
                              jax.devices()[0].platform)
   sweep_summary.finish(records, _OUTPUT_DIR.value)
+  failed = [r["sweep_key"] for r in records if r["status"] == "failed"]
+  if failed:  # a bug, not bad input: the reasons are in results.jsonl
+    print(f"error: {len(failed)} points failed (run again to retry them): {', '.join(failed)}",
+          file=sys.stderr)
+    sys.exit(1)
 
 
 def main(argv: list[str]) -> None:

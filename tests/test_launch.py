@@ -1,11 +1,14 @@
 """launch.py as a user runs it: the default experiment, the results file, bad input."""
 
+import glob
 import json
 import os
+import struct
 import subprocess
 import sys
 
 import pytest
+from tensorboardX.proto import event_pb2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,8 +19,21 @@ def launch(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=timeout)
 
 
+def _events(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+  """Scalars of a TensorBoard event file (TFRecord framing: length, crc, data, crc)."""
+  (path,) = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+  scalars, data = {}, open(path, "rb").read()
+  while data:
+    (length,) = struct.unpack("<Q", data[:8])
+    event = event_pb2.Event.FromString(data[12:12 + length])
+    data = data[12 + length + 4:]
+    for value in event.summary.value:
+      scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
 def test_default_experiment_trains_and_appends_a_record(tmp_path):
-  out = launch(f"--output_dir={tmp_path}", "--steps=3")
+  out = launch(f"--output_dir={tmp_path}", "--steps=3", "--profile_steps=3:5")
   assert out.returncode == 0, out.stderr
   assert "2 nodes x 4" in out.stdout and "NVLink" in out.stdout and "InfiniBand" in out.stdout
   assert "MFU" in out.stdout and "Traceback" not in out.stderr
@@ -32,6 +48,13 @@ def test_default_experiment_trains_and_appends_a_record(tmp_path):
   assert record["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
   assert len(record["losses"]) == 3 + 2  # timed steps plus the untimed warm-up steps
   assert 0 < record["mfu"] < 1
+  scalars = _events(record["tensorboard_dir"])
+  assert set(scalars) == {"train/loss", "train/learning_rate", "perf/step_time_s",
+                          "perf/tokens_per_s", "perf/mfu"}
+  assert [step for step, _ in scalars["train/loss"]] == list(range(5))
+  assert [loss for _, loss in scalars["train/loss"]] == pytest.approx(record["losses"])
+  (trace,) = glob.glob(os.path.join(record["profile_dir"], "plugins/profile/*/*.xplane.pb"))
+  assert os.path.getsize(trace) > 0
 
 
 def test_benchmark_on_fewer_devices_with_overrides(tmp_path):
@@ -66,6 +89,8 @@ def test_list_names_every_experiment():
     (["--mode=fly"], "--mode"),
     (["--devices=0"], "--devices"),
     (["--experiment=gpt3", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2"], "model: gpt3-175b needs"),
+    (["--profile_steps=4:2"], "--profile_steps must be A:B"),
+    (["--mode=sweep", "--experiment=cpu_gpt2_small"], "no sweep is defined"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
   out = launch(f"--output_dir={tmp_path}", *args)
