@@ -1,6 +1,7 @@
 """The end of a sweep: the terminal table, results.csv, the plots and REPORT.md."""
 
 import os
+import re
 
 from report import export, plots, sweep_report, table
 
@@ -26,6 +27,21 @@ def _row(r: dict) -> tuple:
   )
 
 
+def _report_is_current(records: list[dict], output_dir: str) -> bool:
+  """REPORT.md is this sweep's, newer than every record, and its plots exist: a sweep
+  started again with nothing left to run need not draw them again."""
+  report = os.path.join(output_dir, "REPORT.md")
+  if not os.path.exists(report):
+    return False
+  if os.path.getmtime(report) < os.path.getmtime(os.path.join(output_dir, "results.jsonl")):
+    return False
+  text = open(report).read()
+  pngs = re.findall(r"\]\(([\w.]+\.png)\)", text)
+  return f"`{records[0]['sweep_config']}`" in text and all(
+    os.path.exists(os.path.join(output_dir, p)) for p in pngs
+  )
+
+
 def finish(records: list[dict], output_dir: str) -> None:
   headers = (
     "scaling",
@@ -42,14 +58,13 @@ def finish(records: list[dict], output_dir: str) -> None:
     "note",
   )
   print(table.columns(headers, [_row(r) for r in records]))
-  csv_path = export.write_csv(output_dir)
-  written = plots.write_all(records, output_dir)
-  report = sweep_report.write(records, written, output_dir)
   print(f"\n{sweep_report.findings(records)}\n")
-  for path in [
-    os.path.join(output_dir, "results.jsonl"),
-    csv_path,
-    report,
-    *filter(None, written.values()),
-  ]:
+  csv_path = export.write_csv(output_dir)
+  report = os.path.join(output_dir, "REPORT.md")
+  if _report_is_current(records, output_dir):
+    print(f"{report} and its plots are up to date with results.jsonl: kept")
+    return
+  written = plots.write_all(records, output_dir)
+  sweep_report.write(records, written, output_dir)
+  for path in [csv_path, report, *filter(None, written.values())]:
     print(f"wrote {path}")
