@@ -26,6 +26,8 @@ from sweep.definitions import Sweep
 
 # (experiment, device count) -> a measured record, as launch.py's benchmark mode makes it.
 Measure = Callable[[object, int], dict]
+# device count -> the experiment configuration that count runs.
+AtCount = Callable[[int], object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +76,9 @@ def point_experiment(exp, sweep: Sweep, point: Point):
   return dataclasses.replace(exp, train=dataclasses.replace(exp.train, global_batch=batch))
 
 
-def _run_point(exp, sweep: Sweep, point: Point, measure: Measure) -> dict:
+def _run_point(at_count: AtCount, sweep: Sweep, point: Point, measure: Measure) -> dict:
   try:
-    point_exp = point_experiment(exp, sweep, point)
+    point_exp = point_experiment(at_count(point.devices), sweep, point)
     if sweep.mode == "project":
       record = project.project(point_exp, point.hardware, point.devices)
     else:
@@ -90,8 +92,20 @@ def _run_point(exp, sweep: Sweep, point: Point, measure: Measure) -> dict:
   return record
 
 
-def run(exp, sweep: Sweep, output_dir: str, measure: Measure, platform: str) -> list[dict]:
-  """Run the points not yet in `output_dir`; return every record of this sweep."""
+def run(
+  exp,
+  sweep: Sweep,
+  output_dir: str,
+  measure: Measure,
+  platform: str,
+  at_count: AtCount | None = None,
+) -> list[dict]:
+  """Run the points not yet in `output_dir`; return every record of this sweep.
+
+  `exp` names the sweep and fingerprints its configuration; `at_count(n)` is the
+  experiment as n devices run it (default: `exp` at every count).
+  """
+  at_count = at_count or (lambda _: exp)
   fingerprint = config_fingerprint(exp)
   keyed = {point_key(exp, sweep, p): p for p in points(sweep, platform)}
   done = {
@@ -112,7 +126,7 @@ def run(exp, sweep: Sweep, output_dir: str, measure: Measure, platform: str) -> 
   for key in progress:
     point = keyed[key]
     progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
-    record = _run_point(exp, sweep, point, measure)
+    record = _run_point(at_count, sweep, point, measure)
     record.update(
       {
         "sweep": exp.name,
