@@ -26,7 +26,12 @@ _COLOURS = {
   "gb200": "tab:orange",
   "gb300": "tab:red",
 }
-_STYLES = {"strong": "-", "weak": "--"}
+_STYLES = {"strong": "-", "weak": "--", "configured": ":"}
+_SCALING_LABELS = {
+  "strong": "strong scaling (fixed batch)",
+  "weak": "weak scaling (fixed batch per replica)",
+  "configured": "each count's own configuration",
+}
 _PARTS = (
   ("compute_s", "compute", "tab:blue"),
   ("exposed_comm_s", "exposed communication", "tab:red"),
@@ -78,7 +83,7 @@ def _legend(ax, records: list[dict], extra: list | None = None) -> None:
     for h in dict.fromkeys(r["hardware"] for r in records)
   ]
   handles += [
-    Line2D([], [], color="black", linestyle=_STYLES[s], label=f"{s} scaling")
+    Line2D([], [], color="black", linestyle=_STYLES[s], label=_SCALING_LABELS[s])
     for s in dict.fromkeys(r["scaling"] for r in records)
   ]
   ax.legend(handles=handles + (extra or []), fontsize=8, loc="best")
@@ -184,7 +189,7 @@ def step_breakdown(records: list[dict], path: str) -> str | None:
   ok = [r for r in _ok(records) if "breakdown" in r]
   if not ok:
     return None
-  scaling = "weak" if any(r["scaling"] == "weak" for r in ok) else "strong"
+  scaling = next(s for s in ("weak", "configured", "strong") if any(r["scaling"] == s for r in ok))
   ok = [r for r in ok if r["scaling"] == scaling]
   hardware = list(dict.fromkeys(r["hardware"] for r in ok))
   columns = min(3, len(hardware))
@@ -244,7 +249,7 @@ def memory(records: list[dict], path: str) -> str | None:
         linestyle=_STYLES[scaling],
         marker="o",
         markersize=4,
-        label=f"{scaling} scaling",
+        label=_SCALING_LABELS[scaling],
       )
     capacity = mine[0]["hbm_capacity_gb"]
     ax.axhline(

@@ -35,7 +35,7 @@ def _largest(records: list[dict], scaling: str) -> list[dict]:
 
 def _efficiency_sentence(records: list[dict]) -> list[str]:
   sentences = []
-  for scaling in ("weak", "strong"):
+  for scaling in ("weak", "strong", "configured"):
     largest = _largest(records, scaling)
     if not largest:
       continue

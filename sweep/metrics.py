@@ -8,7 +8,8 @@ Both efficiencies compare per-device throughput with the series' smallest point 
 For a weak series (the global batch grows with N) that is the weak scaling efficiency.
 For a strong series (fixed global batch, so fixed tokens per step) it equals
 (T(N0) / T(N)) / (N / N0), the speed-up over the baseline divided by the device ratio:
-the strong scaling efficiency.
+the strong scaling efficiency. A configured series (each count's own batch) gets the
+same per-device throughput ratio.
 """
 
 from sweep.definitions import Sweep

@@ -68,17 +68,21 @@ def _replicas(exp, sweep: Sweep, point: Point) -> int:
   return sizes["data"] * sizes["fsdp"]
 
 
-def point_experiment(exp, sweep: Sweep, point: Point):
-  """The experiment as this point runs it: weak scaling sets the global batch."""
-  if point.scaling == "strong":
+def point_experiment(base, exp, sweep: Sweep, point: Point):
+  """`exp` (the configuration at this count) with the scaling rule's global batch:
+  strong, `base`'s at every count; weak, a fixed number per replica; configured, `exp`'s."""
+  if point.scaling == "configured":
     return exp
-  batch = sweep.weak_sequences_per_replica * _replicas(exp, sweep, point)
+  if point.scaling == "strong":
+    batch = base.train.global_batch
+  else:
+    batch = sweep.weak_sequences_per_replica * _replicas(exp, sweep, point)
   return dataclasses.replace(exp, train=dataclasses.replace(exp.train, global_batch=batch))
 
 
-def _run_point(at_count: AtCount, sweep: Sweep, point: Point, measure: Measure) -> dict:
+def _run_point(base, at_count: AtCount, sweep: Sweep, point: Point, measure: Measure) -> dict:
   try:
-    point_exp = point_experiment(at_count(point.devices), sweep, point)
+    point_exp = point_experiment(base, at_count(point.devices), sweep, point)
     if sweep.mode == "project":
       record = project.project(point_exp, point.hardware, point.devices)
     else:
@@ -126,7 +130,7 @@ def run(
   for key in progress:
     point = keyed[key]
     progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
-    record = _run_point(at_count, sweep, point, measure)
+    record = _run_point(exp, at_count, sweep, point, measure)
     record.update(
       {
         "sweep": exp.name,
