@@ -89,8 +89,8 @@ def _legend(ax, records: list[dict], extra: list | None = None) -> None:
   ax.legend(handles=handles + (extra or []), fontsize=8, loc="best")
 
 
-def _save(fig, path: str) -> str:
-  fig.tight_layout()
+def _save(fig, path: str, bottom: float = 0.0) -> str:
+  fig.tight_layout(rect=(0, bottom, 1, 1))
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
@@ -217,14 +217,13 @@ def step_breakdown(records: list[dict], path: str) -> str | None:
   for ax in axes.flat[len(hardware) :]:
     ax.axis("off")
   handles, labels = axes.flat[0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="upper right", ncol=len(parts), fontsize=8)
+  fig.legend(handles, labels, loc="lower center", ncol=len(parts), fontsize=8)
   fig.suptitle(
-    _title(ok, f"step-time breakdown, {scaling} scaling\n(step time in seconds above each bar)"),
+    _title(ok, f"step-time breakdown, {_SCALING_LABELS[scaling]}")
+    + "\nshare of each step; step time in seconds above each bar",
     fontsize=10,
-    x=0.02,
-    ha="left",
   )
-  return _save(fig, path)
+  return _save(fig, path, bottom=0.35 / (3.6 * rows))
 
 
 def memory(records: list[dict], path: str) -> str | None:
@@ -268,7 +267,7 @@ def memory(records: list[dict], path: str) -> str | None:
       )
     _log2_x(ax, mine)
     ax.tick_params(axis="x", labelrotation=90, labelsize=7)
-    ax.set_ylim(0, 1.1 * top)
+    ax.set_ylim(0, 1.3 * top)  # headroom for the legend above the capacity line
     ax.set_title(name.upper(), fontsize=10)
     ax.set_xlabel("GPUs (log scale)", fontsize=8)
     ax.grid(True, alpha=0.3)

@@ -39,14 +39,16 @@ def _efficiency_sentence(records: list[dict]) -> list[str]:
     largest = _largest(records, scaling)
     if not largest:
       continue
+    unit = "GPUs" if "gpus" in largest[0] else "devices"
+    bases = {r["scaling_baseline_devices"] for r in largest}
     parts = ", ".join(
-      f"{r['hardware'].upper()} {r['scaling_efficiency']:.0%} at {r['devices']:,}" for r in largest
+      f"{r['hardware'].upper()} {r['scaling_efficiency']:.0%} at {r['devices']:,}"
+      + ("" if len(bases) == 1 else f" (against {r['scaling_baseline_devices']:,})")
+      for r in largest
     )
-    base = largest[0]["scaling_baseline_devices"]
+    against = f", against {bases.pop():,} {unit}" if len(bases) == 1 else ""
     sentences.append(
-      f"{scaling.capitalize()} scaling efficiency at the largest point that "
-      f"runs, against {base:,} {'GPUs' if 'gpus' in largest[0] else 'devices'}: "
-      f"{parts}."
+      f"{scaling.capitalize()} scaling efficiency at the largest point that runs{against}: {parts}."
     )
   return sentences
 

@@ -9,6 +9,8 @@ import csv
 import dataclasses
 import os
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 
 import experiments
@@ -128,3 +130,25 @@ def test_plots_and_report_are_written(swept):
 def test_bad_profile_steps(text):
   with pytest.raises(UserInputError, match="--profile_steps"):
     hooks.parse_profile_steps(text, 5)
+
+
+def _purple_pixels(path: str) -> int:
+  """Pixels of matplotlib's tab:purple (#9467bd), the pipeline bubble's colour."""
+  image = plt.imread(path)[..., :3]
+  return int((abs(image - np.array([0x94, 0x67, 0xBD]) / 255).max(axis=-1) < 0.02).sum())
+
+
+def test_breakdown_plot_stacks_a_pipeline_bubble(swept, tmp_path):
+  records = [dict(r) for r in swept[2]]
+  plain = plots.step_breakdown(records, str(tmp_path / "plain.png"))
+  # As a pipelined experiment's projection records them: a bubble_s part of the step.
+  for r in records:
+    if "breakdown" in r:
+      bubble = 0.25 * r["step_time_s"]
+      r["breakdown"] = {
+        **r["breakdown"],
+        "bubble_s": bubble,
+        "compute_s": r["breakdown"]["compute_s"] - bubble,
+      }
+  piped = plots.step_breakdown(records, str(tmp_path / "bubble.png"))
+  assert _purple_pixels(plain) == 0 and _purple_pixels(piped) > 1000
