@@ -175,8 +175,8 @@ def time_to_train(records: list[dict], path: str) -> str | None:
   _log2_x(ax, ok)
   ax.set_xlabel(f"{_device_label(ok)} (log scale)")
   ax.set_ylabel("time to train (minutes, log scale)")
-  budget = ok[0].get("token_budget")
-  what = f"time to train {budget / 1e9:.2f} B tokens" if budget else "time to train"
+  label = ok[0].get("token_budget_label")
+  what = f"time to train\n{label}" if label else "time to train"
   ax.set_title(_title(ok, what))
   ax.grid(True, which="both", alpha=0.3)
   _legend(ax, ok, extra)

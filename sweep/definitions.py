@@ -4,7 +4,8 @@ A sweep runs one or more series per hardware generation, each over ascending dev
 counts: *strong* scaling keeps the experiment's global batch at every count; *weak*
 scaling gives every data-parallel replica (data x fsdp) the same number of sequences, so
 the global batch grows with the count; *configured* keeps whatever batch the experiment
-sets at each count (the MLPerf experiment's published configurations). `--mode=sweep --experiment=NAME` runs SWEEPS[NAME].
+sets at each count (the MLPerf experiment's published configurations).
+`--mode=sweep --experiment=NAME` runs SWEEPS[NAME].
 """
 
 import dataclasses
@@ -33,15 +34,12 @@ MLPERF_GPT3_RESULTS = (
   ("v4.1 NVIDIA Eos", "h100", 512, 49.80),
 )
 
-SCALINGS = ("strong", "weak", "configured")
-
-
 @dataclasses.dataclass(frozen=True)
 class Sweep:
   mode: str  # "project" (GPU clusters) or "benchmark" (measured here)
   counts: tuple[int, ...]  # GPUs (project) or local devices (benchmark)
   hardware: tuple[str, ...] = ()  # project: generations; benchmark: none (this machine)
-  scalings: tuple[str, ...] = ("strong", "weak")
+  scalings: tuple[str, ...] = ("strong", "weak")  # each also "configured"
   # Weak scaling: sequences per data-parallel replica per step.
   weak_sequences_per_replica: int = 2
   # `--set` assignments applied before the user's own (which win).
@@ -49,7 +47,7 @@ class Sweep:
   # Tokens to train for time to train (0: none). Records that carry their own
   # `time_to_train_min` (experiments that define a target) keep theirs.
   token_budget: int = 0
-  token_budget_label: str = ""
+  token_budget_label: str = ""  # for plot titles and records
 
 
 _GPT3 = Sweep(

@@ -30,5 +30,6 @@ def annotate(record: dict, baseline: dict | None, sweep: Sweep) -> dict:
   record["scaling_efficiency"] = record["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
   if "time_to_train_min" not in record and sweep.token_budget:
     record["token_budget"] = sweep.token_budget
+    record["token_budget_label"] = sweep.token_budget_label
     record["time_to_train_min"] = sweep.token_budget / record["tokens_per_s"] / 60
   return record

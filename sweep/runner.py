@@ -96,6 +96,23 @@ def _run_point(base, at_count: AtCount, sweep: Sweep, point: Point, measure: Mea
   return record
 
 
+def _label(record: dict, exp, sweep: Sweep, key: str, point: Point) -> None:
+  """What every sweep record carries, whatever its status."""
+  record.update(
+    {
+      "sweep": exp.name,
+      "sweep_key": key,
+      "sweep_config": config_fingerprint(exp),
+      "sweep_mode": sweep.mode,
+      "scaling": point.scaling,
+      "hardware": point.hardware,
+      "devices": point.devices,
+      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+  )
+  record.setdefault("experiment", exp.name)
+
+
 def run(
   exp,
   sweep: Sweep,
@@ -110,7 +127,6 @@ def run(
   experiment as n devices run it (default: `exp` at every count).
   """
   at_count = at_count or (lambda _: exp)
-  fingerprint = config_fingerprint(exp)
   keyed = {point_key(exp, sweep, p): p for p in points(sweep, platform)}
   done = {
     r["sweep_key"]: r
@@ -127,30 +143,27 @@ def run(
   progress = tqdm.tqdm(
     todo, desc=f"sweep {exp.name}", unit="point", disable=not todo, file=sys.stdout
   )
-  for key in progress:
-    point = keyed[key]
-    progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
-    record = _run_point(exp, at_count, sweep, point, measure)
-    record.update(
-      {
-        "sweep": exp.name,
-        "sweep_key": key,
-        "sweep_config": fingerprint,
-        "sweep_mode": sweep.mode,
-        "scaling": point.scaling,
-        "hardware": point.hardware,
-        "devices": point.devices,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      }
+  try:
+    for key in progress:
+      point = keyed[key]
+      progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
+      record = _run_point(exp, at_count, sweep, point, measure)
+      _label(record, exp, sweep, key, point)
+      if record["status"] == "failed":
+        progress.write(f"point {key} failed: {record['reason']}")
+      series = metrics.series_key(record)
+      record = metrics.annotate(record, baselines.get(series), sweep)
+      if record["status"] == "ok":
+        baselines.setdefault(series, record)
+      results.append(output_dir, record)
+      done[key] = record
+  except KeyboardInterrupt:
+    progress.close()
+    print(
+      f"\ninterrupted: {len(done)} of {len(keyed)} points are in {output_dir}; the same "
+      "command runs the rest",
+      file=sys.stderr,
     )
-    record.setdefault("experiment", exp.name)
-    if record["status"] == "failed":
-      progress.write(f"point {key} failed: {record['reason']}")
-    series = metrics.series_key(record)
-    record = metrics.annotate(record, baselines.get(series), sweep)
-    if record["status"] == "ok":
-      baselines.setdefault(series, record)
-    results.append(output_dir, record)
-    done[key] = record
+    sys.exit(130)
   progress.close()
   return [done[k] for k in keyed]
