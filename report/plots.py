@@ -76,7 +76,7 @@ def _log2_x(ax, records: list[dict]) -> None:
   ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def _legend(ax, records: list[dict], extra: list | None = None) -> None:
+def _legend(ax, records: list[dict], extra: list | None = None, loc: str = "best") -> None:
   """One entry per generation (colour) and per scaling rule (line style)."""
   handles = [
     Line2D([], [], color=_colour(h), marker="o", label=h.upper())
@@ -86,7 +86,7 @@ def _legend(ax, records: list[dict], extra: list | None = None) -> None:
     Line2D([], [], color="black", linestyle=_STYLES[s], label=_SCALING_LABELS[s])
     for s in dict.fromkeys(r["scaling"] for r in records)
   ]
-  ax.legend(handles=handles + (extra or []), fontsize=8, loc="best")
+  ax.legend(handles=handles + (extra or []), fontsize=8, loc=loc)
 
 
 def _save(fig, path: str, bottom: float = 0.0) -> str:
@@ -175,11 +175,12 @@ def time_to_train(records: list[dict], path: str) -> str | None:
   _log2_x(ax, ok)
   ax.set_xlabel(f"{_device_label(ok)} (log scale)")
   ax.set_ylabel("time to train (minutes, log scale)")
-  label = ok[0].get("token_budget_label")
+  budget = ok[0].get("token_budget")
+  label = ok[0].get("token_budget_label") or (budget and f"{budget / 1e9:.2f} B tokens")
   what = f"time to train\n{label}" if label else "time to train"
   ax.set_title(_title(ok, what))
   ax.grid(True, which="both", alpha=0.3)
-  _legend(ax, ok, extra)
+  _legend(ax, ok, extra, loc="upper right")  # times fall to the lower right
   return _save(fig, path)
 
 
