@@ -46,7 +46,8 @@ def _efficiency_sentence(records: list[dict]) -> list[str]:
       + ("" if len(bases) == 1 else f" (against {r['scaling_baseline_devices']:,})")
       for r in largest
     )
-    against = f", against {bases.pop():,} {unit}" if len(bases) == 1 else ""
+    base = bases.pop() if len(bases) == 1 else None
+    against = f", against {base:,} {unit if base != 1 else unit[:-1]}" if base else ""
     sentences.append(
       f"{scaling.capitalize()} scaling efficiency at the largest point that runs{against}: {parts}."
     )
