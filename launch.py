@@ -32,7 +32,7 @@ def _host_devices_from_argv(argv: list[str]) -> int:
   return platform_env.DEFAULT_HOST_DEVICES
 
 
-platform_env.configure(_host_devices_from_argv(sys.argv))
+platform_env.configure(_host_devices_from_argv(sys.argv), platform_env.distributed_from_argv(sys.argv))
 
 # pylint: disable=wrong-import-position
 import dataclasses
@@ -44,7 +44,7 @@ import tqdm
 from absl import app, flags
 
 import experiments
-from errors import UserInputError
+from errors import RunStopped, UserInputError
 from experiments import overrides
 from hardware import catalog
 from model.flops import param_count, train_flops_per_token
@@ -53,6 +53,7 @@ from projection import project
 from report import results, table
 from train import loop
 from train import step as train_step
+from train.checkpoint import Checkpoints
 
 MODES = ("train", "benchmark", "project")
 
@@ -69,6 +70,16 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs", "Where results.jsonl is 
 _HARDWARE = flags.DEFINE_list("hardware", ["h100"], "project: hardware names "
                               "(a100, h100, h200, b200, gb200, gb300, host), comma-separated.")
 _GPUS = flags.DEFINE_list("gpus", ["512"], "project: GPU counts, comma-separated.")
+_CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, "Save checkpoints here and resume "
+                                      "from the newest one (train and benchmark modes).")
+_CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Save every N steps.")
+_KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
+# Read before absl parses them (platform_env.distributed_from_argv): jax joins first.
+flags.DEFINE_string("coordinator_address", None, "Multi-process: process 0's HOST:PORT.")
+flags.DEFINE_integer("num_processes", None, "Multi-process: the number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0 .. N-1.")
+flags.DEFINE_integer("heartbeat_timeout_s", platform_env.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                     "Multi-process: a process silent this long is dead; the others abort.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override of a config field, repeatable "
                                  "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).")
 
@@ -96,7 +107,7 @@ def _check_memory(program: train_step.TrainProgram, model_name: str, devices: li
   """Refuse a model whose parameters and optimizer state cannot fit, before allocating."""
   state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
                     for x in jax.tree.leaves(program.abstract_state))
-  stats = devices[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   if "bytes_limit" in stats:
     capacity = stats["bytes_limit"] * len(devices)
   else:  # host devices share the machine's memory
@@ -123,7 +134,7 @@ def _peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
   raise UserInputError(f"--devices: no peak figure for {devices[0].device_kind} in hardware/catalog.py")
 
 
-def _run_measured(exp: experiments.ExperimentConfig) -> dict:
+def _run_measured(exp: experiments.ExperimentConfig) -> dict | None:
   devices = _devices()
   layout = mesh_lib.plan(exp.mesh, len(devices))
   mesh = mesh_lib.build_mesh(layout, devices)
@@ -133,7 +144,15 @@ def _run_measured(exp: experiments.ExperimentConfig) -> dict:
       f"Mesh: {layout.devices} {devices[0].platform.upper()} devices as {layout.nodes} nodes "
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
-  run = loop.run(program, exp.model, exp.train)
+  checkpoints = None
+  if _CHECKPOINT_DIR.value:
+    checkpoints = Checkpoints(_CHECKPOINT_DIR.value, _CHECKPOINT_EVERY.value,
+                              _KEEP_CHECKPOINTS.value)
+  run = loop.run(program, exp.model, exp.train, checkpoints)
+  if not run.step_times_s:
+    print(f"\nnothing to run: the checkpoint in {_CHECKPOINT_DIR.value} is at step "
+          f"{run.first_step}, the run's last")
+    return None
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   record = {
       "mode": _MODE.value, "experiment": exp.name, "model": exp.model.name,
@@ -150,6 +169,8 @@ def _run_measured(exp: experiments.ExperimentConfig) -> dict:
   }
   if _MODE.value == "train":
     record["losses"] = run.losses
+  if run.first_step:
+    record["resumed_from_step"] = run.first_step
   return record
 
 
@@ -220,6 +241,13 @@ def _print_projection(records: list[dict]) -> None:
     print(f"note: compiled on host CPU devices: {note}")
 
 
+def _check_distributed_flags() -> None:
+  names = ("coordinator_address", "num_processes", "process_id")
+  given = [n for n in names if flags.FLAGS[n].present]
+  if given and len(given) < len(names):
+    raise UserInputError(f"--{', --'.join(names)} go together; got only --{', --'.join(given)}")
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise UserInputError(f"unexpected argument {argv[1]!r}; flags take the form --name=value")
@@ -232,7 +260,10 @@ def main(argv: list[str]) -> None:
     _print_projection(_run_projection(exp))
     print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
     return
+  _check_distributed_flags()
   record = _run_measured(exp)
+  if record is None or jax.process_index() != 0:
+    return
   path = results.append(_OUTPUT_DIR.value, record)
   _print_record(record)
   print(f"\nappended to {path}")
@@ -252,6 +283,9 @@ def _main(argv: list[str]) -> None:
   except UserInputError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except RunStopped as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":
