@@ -38,14 +38,15 @@ class RunResult:
 def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
         checkpoints: Checkpoints | None = None) -> RunResult:
   B, T = train_cfg.global_batch, model_cfg.seq_len
+  # A checkpoint that cannot be restored is reported before the compile.
+  batches = input_pipeline.BatchSource(train_cfg, model_cfg, program.batch_sharding)
+  state = checkpoints.restore_latest(program.abstract_state, batches) if checkpoints else None
   t0 = time.perf_counter()
   lowered = program.lower(B, T)
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
 
-  batches = input_pipeline.BatchSource(train_cfg, model_cfg, program.batch_sharding)
-  state = checkpoints.restore_latest(program.abstract_state, batches) if checkpoints else None
   first_step = 0 if state is None else int(state.step)
   state = program.init() if state is None else state
   total = train_cfg.warmup_steps + train_cfg.steps
