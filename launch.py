@@ -150,8 +150,8 @@ def _run_measured(exp: experiments.ExperimentConfig) -> dict | None:
                               _KEEP_CHECKPOINTS.value)
   run = loop.run(program, exp.model, exp.train, checkpoints)
   if not run.step_times_s:
-    print(f"\nnothing to run: the checkpoint in {_CHECKPOINT_DIR.value} is at step "
-          f"{run.first_step}, the run's last")
+    print(f"\nnothing left to run: the checkpoint in {_CHECKPOINT_DIR.value} is at step "
+          f"{run.first_step}, the run has {exp.train.warmup_steps + exp.train.steps}")
     return None
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   record = {

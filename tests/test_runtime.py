@@ -5,6 +5,7 @@ with Python, byte-level tokens) through launch.py in subprocesses, so kills are 
 The runs are shared by the tests (module fixtures) to keep JAX start-ups few.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -21,6 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import experiments
+import platform_env
 from errors import RunStopped, UserInputError
 from experiments import overrides
 from parallelism import mesh as mesh_lib
@@ -242,11 +244,12 @@ def _copy_step(src: str, step: int, dst) -> str:
 def test_restore_8_device_checkpoint_on_4_devices(corpus, reference, tmp_path):
   ref_ckpt, ref_record = reference
   step = STEPS - 2 * EVERY  # the oldest kept
-  ckpt = checkpoint.Checkpoints(_copy_step(ref_ckpt, step, tmp_path), EVERY, 3)
   exp = _exp(corpus)
   program = _program(exp, 4)
   batches = BatchSource(exp.train, exp.model, program.batch_sharding)
-  state = ckpt.restore_latest(program.abstract_state, batches)
+  directory = _copy_step(ref_ckpt, step, tmp_path)
+  with contextlib.closing(checkpoint.Checkpoints(directory, EVERY, 3)) as ckpt:
+    state = ckpt.restore_latest(program.abstract_state, batches)
   assert int(state.step) == step
   leaf = jax.tree.leaves(state.params)[0]
   assert len(leaf.sharding.device_set) == 4
@@ -281,8 +284,9 @@ def test_corrupted_checkpoint_is_refused_by_name(corpus, reference, tmp_path, ho
   exp = _exp(corpus)
   program = _program(exp, 8)
   batches = BatchSource(exp.train, exp.model, program.batch_sharding)
-  with pytest.raises(UserInputError, match="is corrupted") as error:
-    checkpoint.Checkpoints(directory, EVERY, 3).restore_latest(program.abstract_state, batches)
+  with contextlib.closing(checkpoint.Checkpoints(directory, EVERY, 3)) as ckpt:
+    with pytest.raises(UserInputError, match="is corrupted") as error:
+      ckpt.restore_latest(program.abstract_state, batches)
   assert bad in str(error.value)
 
 
@@ -305,15 +309,16 @@ def test_incompatible_checkpoint_is_refused_by_name(corpus, reference, tmp_path)
   wider = overrides.apply(exp, ["model.d_model=128", "model.head_dim=32"])
   program = _program(wider, 8)
   batches = BatchSource(wider.train, wider.model, program.batch_sharding)
-  with pytest.raises(UserInputError, match="cannot be restored") as error:
-    checkpoint.Checkpoints(directory, EVERY, 3).restore_latest(program.abstract_state, batches)
+  with contextlib.closing(checkpoint.Checkpoints(directory, EVERY, 3)) as ckpt:
+    with pytest.raises(UserInputError, match="cannot be restored") as error:
+      ckpt.restore_latest(program.abstract_state, batches)
   assert os.path.join(directory, str(STEPS)) in str(error.value)
 
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good(tmp_path):
   exp = overrides.apply(
     experiments.load("tiny"),
-    ["model.num_layers=1", "train.task=learnable", "train.learning_rate=1e30"],
+    ["model.num_layers=1", "train.task=learnable", "train.learning_rate=1e30", "train.steps=3"],
   )
   program = _program(exp, 8)
   ckpt = checkpoint.Checkpoints(str(tmp_path), 1, 3)
@@ -322,3 +327,28 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good(tmp_path)
   failed = int(str(error.value).split(" at step ")[1].split(";")[0])
   assert max(_saved_steps(str(tmp_path))) == failed  # the state before the bad step
   assert f"newest checkpoint is step {failed}" in str(error.value)
+
+
+def test_distributed_flags_are_read_before_absl():
+  dist = platform_env.distributed_from_argv(
+    [
+      "launch.py",
+      "--coordinator_address=10.0.0.1:1234",
+      "--num_processes=16",
+      "--process_id=3",
+      "--heartbeat_timeout_s=30",
+      "--steps=5",
+    ]
+  )
+  assert dist == platform_env.Distributed("10.0.0.1:1234", 16, 3, 30) and dist.from_flags
+  assert not platform_env.distributed_from_argv(["launch.py", "--num_processes=x"]).from_flags
+
+
+@pytest.mark.parametrize(
+  "tasks, node, expected", [("1(x4)", "2", 1), ("8(x2),4", "2", 4), ("8,1", "1", 1)]
+)
+def test_one_process_per_node_is_recognised_under_slurm(monkeypatch, tasks, node, expected):
+  monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
+  monkeypatch.setenv("SLURM_TASKS_PER_NODE", tasks)
+  monkeypatch.setenv("SLURM_NODEID", node)
+  assert platform_env._tasks_on_this_node() == expected  # pylint: disable=protected-access
