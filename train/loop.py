@@ -62,27 +62,29 @@ def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
         step_times.append(time.perf_counter() - start)
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
-        raise RunStopped(_stopped(f"loss is {loss} at step {step}", checkpoints), 1)
+        raise RunStopped(_stopped(f"loss is {loss} at step {step}", checkpoints,
+                                  "the bad step was not saved"), 1)
       losses.append(loss)
       if checkpoints:
         signum = stop.signal_number()
         checkpoints.save(step + 1, state, batches, force=bool(signum) or step + 1 == total)
         if signum:
-          raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints),
+          raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints,
+                                    "rerun the same command to resume"),
                            preemption.EXIT_CODE_BASE + signum)
   if checkpoints:
     checkpoints.close()
   return RunResult(t1 - t0, t2 - t1, step_times, losses, state, first_step)
 
 
-def _stopped(reason: str, checkpoints: Checkpoints | None) -> str:
-  """Finish the saves in flight; say where a restart resumes."""
+def _stopped(reason: str, checkpoints: Checkpoints | None, note: str) -> str:
+  """Finish the saves in flight; say which checkpoint is the newest."""
   if not checkpoints:
     return f"{reason}; stopped (no --checkpoint_dir: nothing saved)"
   checkpoints.close()
   latest = checkpoints.latest_step()
   where = f"the newest checkpoint is step {latest}" if latest is not None else "none saved yet"
-  return f"{reason}; stopped: {where} in {checkpoints.directory} (rerun to resume)"
+  return f"{reason}; stopped: {where} in {checkpoints.directory} ({note})"
 
 
 def measure_matmul_tflops(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
