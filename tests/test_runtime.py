@@ -36,6 +36,8 @@ STEPS = 12  # 2 warm-up + 10: saved at 2, 4, ..., 12 (the newest 3 kept)
 EVERY = 2
 HEARTBEAT_S = 5
 SETS = ["model.num_layers=1", "train.task=tokens"]
+# A refused or resharded restore leaves orbax read coroutines to be collected unawaited.
+NO_UNRAISABLE = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 @pytest.fixture(scope="module")
@@ -274,10 +276,6 @@ def _largest_state_file(step_dir: str) -> str:
     os.path.join(d, n) for d, _, names in os.walk(os.path.join(step_dir, "state")) for n in names
   ]
   return max(files, key=os.path.getsize)
-
-
-# A refused restore leaves orbax's read coroutines to be collected unawaited.
-NO_UNRAISABLE = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 @NO_UNRAISABLE
