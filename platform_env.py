@@ -113,6 +113,14 @@ def configure(
   """Use the CPU when there is no GPU, with `host_devices` emulated devices; join the
   other processes of a Slurm or Open MPI launch, or those named by the distributed flags
   (before any backend starts)."""
+  if distributed.from_flags and not 0 <= distributed.process_id < distributed.num_processes:
+    # Before absl and launch.py's error handling exist: the same one line and exit 2.
+    print(
+      f"error: --process_id must be in 0 .. --num_processes - 1 = "
+      f"{distributed.num_processes - 1}, got {distributed.process_id}",
+      file=sys.stderr,
+    )
+    sys.exit(2)
   gpu = has_nvidia_gpu()
   if not gpu:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

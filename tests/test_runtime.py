@@ -358,3 +358,27 @@ def test_one_process_per_node_is_recognised_under_slurm(monkeypatch, tasks, node
   monkeypatch.setenv("SLURM_TASKS_PER_NODE", tasks)
   monkeypatch.setenv("SLURM_NODEID", node)
   assert platform_env._tasks_on_this_node() == expected  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (
+      ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"],
+      "--process_id must be in 0 .. --num_processes - 1 = 1, got 2",
+    ),
+    (["--num_processes=2"], "go together; got only --num_processes"),
+  ],
+)
+def test_bad_distributed_flags_are_one_line_and_exit_2(args, message):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  out = subprocess.run(
+    [sys.executable, "launch.py", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
