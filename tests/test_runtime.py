@@ -27,7 +27,7 @@ from errors import RunStopped, UserInputError
 from experiments import overrides
 from parallelism import mesh as mesh_lib
 from tools import make_tokens
-from train import checkpoint, loop
+from train import checkpoint, loop, token_data
 from train import step as train_step
 from train.input_pipeline import BatchSource
 
@@ -382,3 +382,37 @@ def test_bad_distributed_flags_are_one_line_and_exit_2(args, message):
   )
   lines = out.stderr.strip().splitlines()
   assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_each_process_reads_only_its_rows_of_one_global_order(corpus, monkeypatch):
+  reads = []
+  read = token_data.TokenWindows.__getitem__
+  monkeypatch.setattr(
+    token_data.TokenWindows, "__getitem__", lambda self, i: reads.append(i) or read(self, i)
+  )
+
+  def batches(rows, seed=0):
+    return iter(token_data.local_batches(corpus, 64, 256, seed, 16, rows))
+
+  def first(iterator, n=3):
+    out = [next(iterator) for _ in range(n)]
+    time.sleep(0.3)  # let the prefetch thread settle
+    return out
+
+  halves, read_by = [], []
+  for rows in (range(0, 8), range(8, 16)):
+    reads.clear()
+    halves.append(first(batches(rows)))
+    read_by.append(set(reads))
+  assert read_by[0] and read_by[1] and not read_by[0] & read_by[1]  # disjoint records
+  whole = first(batches(range(16)))
+  for step in range(3):
+    np.testing.assert_array_equal(np.concatenate([halves[0][step], halves[1][step]]), whole[step])
+  assert not np.array_equal(first(batches(range(16), seed=1), 1)[0], whole[0])
+
+  # The iterator's saved position brings a fresh iterator to the same next batch.
+  iterator = batches(range(16))
+  first(iterator, 2)
+  resumed = batches(range(16))
+  resumed.set_state(iterator.get_state())
+  np.testing.assert_array_equal(next(resumed), whole[2])
