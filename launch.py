@@ -32,7 +32,8 @@ def _host_devices_from_argv(argv: list[str]) -> int:
   return platform_env.DEFAULT_HOST_DEVICES
 
 
-platform_env.configure(_host_devices_from_argv(sys.argv), platform_env.distributed_from_argv(sys.argv))
+platform_env.configure(_host_devices_from_argv(sys.argv),
+                       platform_env.distributed_from_argv(sys.argv))
 
 # pylint: disable=wrong-import-position
 import dataclasses
