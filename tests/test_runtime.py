@@ -181,7 +181,7 @@ def test_kill9_then_sigterm_resume_bit_for_bit(corpus, reference, tmp_path):
   assert code == 128 + signal.SIGTERM, err[-3000:]
   stopped_after = int(err.split("signal 15 after step ")[1].split(";")[0])
   assert max(_saved_steps(ckpt)) == stopped_after + 1  # saved the step it stopped at
-  assert grace_s < 30, grace_s  # Slurm's default grace (KillWait) is 30 s
+  assert grace_s < 30, grace_s  # Slurm's default grace: KillWait=30 s (slurm.conf man page)
 
   code, _, err = _finish(_start(args))
   assert code == 0, err[-3000:]
