@@ -44,7 +44,8 @@ def _host_devices_from_argv(argv: list[str]) -> int:
   return platform_env.DEFAULT_HOST_DEVICES
 
 
-platform_env.configure(_host_devices_from_argv(sys.argv))
+platform_env.configure(_host_devices_from_argv(sys.argv),
+                       platform_env.distributed_from_argv(sys.argv))
 
 # pylint: disable=wrong-import-position
 import dataclasses
@@ -56,7 +57,7 @@ import tqdm
 from absl import app, flags
 
 import experiments
-from errors import UserInputError
+from errors import RunStopped, UserInputError
 from experiments import overrides
 from hardware import catalog
 from model.flops import param_count, train_flops_per_token
@@ -69,6 +70,7 @@ from sweep import summary as sweep_summary
 from train import hooks as hooks_lib
 from train import loop
 from train import step as train_step
+from train.checkpoint import Checkpoints
 
 MODES = ("train", "benchmark", "project", "sweep")
 
@@ -88,6 +90,16 @@ _HARDWARE = flags.DEFINE_list("hardware", ["h100"], "project: hardware names "
 _GPUS = flags.DEFINE_list("gpus", ["512"], "project: GPU counts, comma-separated.")
 _PROFILE_STEPS = flags.DEFINE_string("profile_steps", None, "A:B: a JAX profiler trace of steps "
                                      "A..B-1 (from 0, warm-up included) in OUTPUT_DIR/profile.")
+_CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, "Save checkpoints here and resume "
+                                      "from the newest one (train and benchmark modes).")
+_CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Save every N steps.")
+_KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
+# Read before absl parses them (platform_env.distributed_from_argv): jax joins first.
+flags.DEFINE_string("coordinator_address", None, "Multi-process: process 0's HOST:PORT.")
+flags.DEFINE_integer("num_processes", None, "Multi-process: the number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0 .. N-1.")
+flags.DEFINE_integer("heartbeat_timeout_s", platform_env.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                     "Multi-process: a process silent this long is dead; the others abort.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override of a config field, repeatable "
                                  "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).")
 
@@ -116,7 +128,7 @@ def _check_memory(program: train_step.TrainProgram, model_name: str, devices: li
   """Refuse a model whose parameters and optimizer state cannot fit, before allocating."""
   state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
                     for x in jax.tree.leaves(program.abstract_state))
-  stats = devices[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   if "bytes_limit" in stats:
     capacity = stats["bytes_limit"] * len(devices)
   else:  # host devices share the machine's memory
@@ -158,7 +170,7 @@ def _step_hooks(exp: experiments.ExperimentConfig, mode: str, devices: int, peak
 
 
 def _run_measured(exp: experiments.ExperimentConfig, mode: str,
-                  num_devices: int | None = None) -> dict:
+                  num_devices: int | None = None) -> dict | None:
   profile = None
   if _PROFILE_STEPS.value:
     profile = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
@@ -173,7 +185,15 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
   hooks = _step_hooks(exp, mode, layout.devices, peak, profile)
-  run = loop.run(program, exp.model, exp.train, hooks)
+  checkpoints = None
+  if _CHECKPOINT_DIR.value:
+    checkpoints = Checkpoints(_CHECKPOINT_DIR.value, _CHECKPOINT_EVERY.value,
+                              _KEEP_CHECKPOINTS.value)
+  run = loop.run(program, exp.model, exp.train, checkpoints, hooks)
+  if not run.step_times_s:
+    print(f"\nnothing left to run: the checkpoint in {_CHECKPOINT_DIR.value} is at step "
+          f"{run.first_step}, the run has {exp.train.warmup_steps + exp.train.steps}")
+    return None
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   record = {
       "mode": mode, "experiment": exp.name, "model": exp.model.name,
@@ -193,6 +213,8 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
     record["profile_dir"] = hooks[-1].log_dir
   if mode == "train":
     record["losses"] = run.losses
+  if run.first_step:
+    record["resumed_from_step"] = run.first_step
   return record
 
 
@@ -277,6 +299,13 @@ def _run_sweep() -> None:
     sys.exit(1)
 
 
+def _check_distributed_flags() -> None:
+  names = ("coordinator_address", "num_processes", "process_id")
+  given = [n for n in names if flags.FLAGS[n].present]
+  if given and len(given) < len(names):
+    raise UserInputError(f"--{', --'.join(names)} go together; got only --{', --'.join(given)}")
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise UserInputError(f"unexpected argument {argv[1]!r}; flags take the form --name=value")
@@ -292,7 +321,10 @@ def main(argv: list[str]) -> None:
     _print_projection(_run_projection(exp))
     print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
     return
+  _check_distributed_flags()
   record = _run_measured(exp, _MODE.value, _DEVICES.value)
+  if record is None or jax.process_index() != 0:
+    return
   path = results.append(_OUTPUT_DIR.value, record)
   _print_record(record)
   print(f"\nappended to {path}")
@@ -312,6 +344,9 @@ def _main(argv: list[str]) -> None:
   except UserInputError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except RunStopped as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,46 @@ those lines are swallowed unless the start fails, when they are replayed.
 """
 
 import contextlib
+import dataclasses
 import os
+import re
 import sys
 import tempfile
 
 DEFAULT_HOST_DEVICES = 8
+# JAX's default: a process that sends no heartbeat for this long is declared dead and
+# every other process is terminated with an error naming it.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+  """How this process joins the others (flags; None: detected from Slurm / Open MPI)."""
+
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
+
+  @property
+  def from_flags(self) -> bool:
+    return None not in (self.coordinator_address, self.num_processes, self.process_id)
+
+
+def distributed_from_argv(argv: list[str]) -> Distributed:
+  """The distributed flags, read before absl parses them (jax must join before it starts).
+
+  Malformed values are left for absl to reject; the flags must then come all together.
+  """
+  values = {}
+  for arg in argv:
+    name, _, value = arg.partition("=")
+    name = name.lstrip("-")
+    if name == "coordinator_address" and value:
+      values[name] = value
+    elif name in ("num_processes", "process_id", "heartbeat_timeout_s") and value.isdigit():
+      values[name] = int(value)
+  return Distributed(**values)
 
 
 def has_nvidia_gpu() -> bool:
@@ -44,20 +79,74 @@ def launched_as_multiprocess() -> bool:
   return False
 
 
-def configure(host_devices: int = DEFAULT_HOST_DEVICES) -> None:
+def _tasks_on_this_node() -> int | None:
+  """Processes the launcher started on this node (None: not launched by Slurm / Open MPI)."""
+  if "OMPI_COMM_WORLD_LOCAL_SIZE" in os.environ:
+    return int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+  if "SLURM_TASKS_PER_NODE" in os.environ and "SLURM_NODEID" in os.environ:
+    # e.g. "4(x2),2": 4 tasks on each of the first two nodes, then 2.
+    counts = []
+    for part in os.environ["SLURM_TASKS_PER_NODE"].split(","):
+      count, _, repeat = part.partition("(x")
+      counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts[int(os.environ["SLURM_NODEID"])]
+  return None
+
+
+def _local_gpu_ids() -> list[int] | None:
+  """All of this node's GPUs for a process that is alone on its node; else None.
+
+  jax.distributed.initialize gives each Slurm / Open MPI process one GPU (its local
+  rank) unless told otherwise; one process per node must be given all of them.
+  """
+  if _tasks_on_this_node() != 1 or not has_nvidia_gpu():
+    return None
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible:
+    return list(range(len(visible.split(","))))
+  return list(range(len([d for d in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", d)])))
+
+
+def configure(
+  host_devices: int = DEFAULT_HOST_DEVICES, distributed: Distributed = Distributed()
+) -> None:
   """Use the CPU when there is no GPU, with `host_devices` emulated devices; join the
-  other processes of a Slurm or Open MPI launch (before any backend starts)."""
+  other processes of a Slurm or Open MPI launch, or those named by the distributed flags
+  (before any backend starts)."""
+  if distributed.from_flags and not 0 <= distributed.process_id < distributed.num_processes:
+    # Before absl and launch.py's error handling exist: the same one line and exit 2.
+    print(
+      f"error: --process_id must be in 0 .. --num_processes - 1 = "
+      f"{distributed.num_processes - 1}, got {distributed.process_id}",
+      file=sys.stderr,
+    )
+    sys.exit(2)
   gpu = has_nvidia_gpu()
   if not gpu:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if os.environ.get("JAX_PLATFORMS") == "cpu":
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-      os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+      os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+      )
   quiet = _captured_stderr() if not gpu else contextlib.nullcontext()
   with quiet:
     import jax  # pylint: disable=import-outside-toplevel
-    if launched_as_multiprocess():
-      # Coordinator, process count and id come from the Slurm / Open MPI environment.
-      jax.distributed.initialize()
+
+    if distributed.from_flags or launched_as_multiprocess():
+      if os.environ.get("JAX_PLATFORMS") == "cpu":
+        # Cross-process collectives on CPU devices run over TCP with gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      # Without the flags, the coordinator, process count and id come from the Slurm /
+      # Open MPI environment. A dead process is noticed by the others through missing
+      # heartbeats (or the coordinator's closed socket) and they abort with that error.
+      jax.distributed.initialize(
+        distributed.coordinator_address,
+        distributed.num_processes,
+        distributed.process_id,
+        local_device_ids=None if distributed.from_flags else _local_gpu_ids(),
+        heartbeat_timeout_seconds=distributed.heartbeat_timeout_s,
+        shutdown_timeout_seconds=distributed.heartbeat_timeout_s,
+      )
     jax.devices()

@@ -4,7 +4,7 @@ import dataclasses
 
 from errors import UserInputError
 
-TASKS = ("synthetic", "learnable")
+TASKS = ("synthetic", "learnable", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,9 @@ class TrainConfig:
   eps: float = 1e-8
   grad_clip: float = 1.0
   seed: int = 0
-  task: str = "synthetic"       # synthetic: uniform random tokens; learnable: see train/data.py
+  # synthetic: uniform random tokens; learnable: see train/data.py; tokens: a token file
+  task: str = "synthetic"
+  data_path: str = ""           # tokens: a flat binary of uint16 ids (train/token_data.py)
 
   def validate(self) -> None:
     for field in ("global_batch", "steps"):
@@ -37,5 +39,7 @@ class TrainConfig:
         raise UserInputError(f"train.{field} must be >= 0, got {getattr(self, field)}")
     if self.task not in TASKS:
       raise UserInputError(f"train.task must be one of {', '.join(TASKS)}, got {self.task!r}")
+    if self.task == "tokens" and not self.data_path:
+      raise UserInputError("train.data_path must name a token file when train.task=tokens")
     if not self.learning_rate > 0:
       raise UserInputError(f"train.learning_rate must be > 0, got {self.learning_rate}")

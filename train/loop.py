@@ -3,17 +3,25 @@
 Lowering and compilation are timed apart from running; the first `warmup_steps`
 executions are run but not timed; every timed step ends in `block_until_ready`, and
 its batch is generated and placed on the devices before the clock starts.
+
+With checkpoints the run resumes from the newest one, saves after every step the
+interval names and after the last, and on SIGTERM / SIGINT saves and stops. A
+non-finite loss stops the run before that step's state can be saved.
 """
 
+import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
+from errors import RunStopped
 from model.config import ModelConfig
-from train import data
+from train import input_pipeline, preemption
+from train.checkpoint import Checkpoints
 from train.config import TrainConfig
 from train.hooks import StepHook
 from train.step import TrainProgram
@@ -24,38 +32,69 @@ class RunResult:
   lower_s: float
   compile_s: float
   step_times_s: list[float]     # timed steps only
-  losses: list[float]           # every step, warm-up included
+  losses: list[float]           # every step this process ran, warm-up included
   final_state: object
+  first_step: int = 0           # > 0: resumed from the checkpoint of this step
 
 
 def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
+        checkpoints: Checkpoints | None = None,
         hooks: Sequence[StepHook] = ()) -> RunResult:
   B, T = train_cfg.global_batch, model_cfg.seq_len
+  # A checkpoint that cannot be restored is reported before the compile.
+  batches = input_pipeline.BatchSource(train_cfg, model_cfg, program.batch_sharding)
+  state = checkpoints.restore_latest(program.abstract_state, batches) if checkpoints else None
   t0 = time.perf_counter()
   lowered = program.lower(B, T)
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
 
-  state = program.init()
+  first_step = 0 if state is None else int(state.step)
+  state = program.init() if state is None else state
+  total = train_cfg.warmup_steps + train_cfg.steps
   step_times, losses = [], []
-  for step in range(train_cfg.warmup_steps + train_cfg.steps):
-    batch = data.batch(train_cfg.task, train_cfg.seed, step, B, T, model_cfg.vocab_size)
-    batch = jax.block_until_ready(jax.device_put(batch, program.batch_sharding))
-    for hook in hooks:
-      hook.before_step(step)
-    start = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready((state, metrics))
-    elapsed = time.perf_counter() - start
-    if step >= train_cfg.warmup_steps:
-      step_times.append(elapsed)
-    losses.append(float(metrics["loss"]))
-    for hook in hooks:
-      hook.after_step(step, metrics, elapsed)
+  stop = preemption.StopRequest(jax.process_count()) if checkpoints else contextlib.nullcontext()
+  with stop:
+    for step in range(first_step, total):
+      batch = jax.block_until_ready(batches.batch(step))
+      for hook in hooks:
+        hook.before_step(step)
+      start = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      jax.block_until_ready((state, metrics))
+      elapsed = time.perf_counter() - start
+      if step >= train_cfg.warmup_steps:
+        step_times.append(elapsed)
+      loss = float(metrics["loss"])
+      if not math.isfinite(loss):
+        raise RunStopped(_stopped(f"loss is {loss} at step {step}", checkpoints,
+                                  "the bad step was not saved"), 1)
+      losses.append(loss)
+      for hook in hooks:
+        hook.after_step(step, metrics, elapsed)
+      if checkpoints:
+        signum = stop.signal_number()
+        checkpoints.save(step + 1, state, batches, force=bool(signum) or step + 1 == total)
+        if signum:
+          raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints,
+                                    "rerun the same command to resume"),
+                           preemption.EXIT_CODE_BASE + signum)
   for hook in hooks:
     hook.close()
-  return RunResult(t1 - t0, t2 - t1, step_times, losses, state)
+  if checkpoints:
+    checkpoints.close()
+  return RunResult(t1 - t0, t2 - t1, step_times, losses, state, first_step)
+
+
+def _stopped(reason: str, checkpoints: Checkpoints | None, note: str) -> str:
+  """Finish the saves in flight; say which checkpoint is the newest."""
+  if not checkpoints:
+    return f"{reason}; stopped (no --checkpoint_dir: nothing saved)"
+  checkpoints.close()
+  latest = checkpoints.latest_step()
+  where = f"the newest checkpoint is step {latest}" if latest is not None else "none saved yet"
+  return f"{reason}; stopped: {where} in {checkpoints.directory} ({note})"
 
 
 def measure_matmul_tflops(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:

@@ -1,0 +1,111 @@
+"""Real token files and the Grain dataset that reads them.
+
+A token file is a flat binary of uint16 token ids with no header, the layout of nanoGPT's
+train.bin, so such files can be used as they are. A JSON file beside it (`NAME.bin.json`)
+names the tokenizer and its vocabulary size, which is checked against the model's.
+
+The tokenizer here is byte-level: a token is one byte of the UTF-8 text. It needs no
+vocabulary file and no download, is lossless for any text, and its 256 ids fit the
+model's default vocabulary; the price is about 4x more tokens than a BPE would give.
+
+Records are windows of seq_len + 1 tokens (inputs and the targets shifted by one) at a
+stride of seq_len. Grain shuffles them with a seed, afresh each epoch; the record index
+of a batch row is a pure function of (seed, step, row), so any process can read exactly
+the rows it holds and nothing else.
+"""
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from errors import UserInputError
+
+TOKEN_DTYPE = np.uint16
+BYTE_VOCAB_SIZE = 256
+
+
+def encode_bytes(text: str) -> np.ndarray:
+  return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(TOKEN_DTYPE)
+
+
+def decode_bytes(tokens: Sequence[int]) -> str:
+  return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def write(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
+  """Write the token file and its JSON description."""
+  if tokens.size and int(tokens.max()) >= vocab_size:
+    raise ValueError(f"token id {int(tokens.max())} is outside the vocabulary of {vocab_size}")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tokens.astype(TOKEN_DTYPE).tofile(path)
+  with open(f"{path}.json", "w") as f:
+    json.dump(
+      {
+        "dtype": "uint16",
+        "vocab_size": vocab_size,
+        "tokenizer": tokenizer,
+        "tokens": int(tokens.size),
+      },
+      f,
+      indent=2,
+    )
+
+
+class TokenWindows:
+  """Grain random-access source: record i is tokens[i * seq_len : i * seq_len + seq_len + 1]."""
+
+  def __init__(self, path: str, seq_len: int, model_vocab_size: int):
+    if not os.path.isfile(path):
+      raise UserInputError(
+        f"train.data_path: no token file at {path!r} (make one with tools/make_tokens.py)"
+      )
+    meta_path = f"{path}.json"
+    if os.path.isfile(meta_path):
+      with open(meta_path) as f:
+        vocab_size = json.load(f)["vocab_size"]
+      if vocab_size > model_vocab_size:
+        raise UserInputError(
+          f"model.vocab_size = {model_vocab_size} is smaller than the "
+          f"{vocab_size} ids of the token file {path}"
+        )
+    self._tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    self._seq_len = seq_len
+    self._windows = (len(self._tokens) - 1) // seq_len
+    if self._windows < 1:
+      raise UserInputError(
+        f"train.data_path: {path} holds {len(self._tokens)} tokens, fewer "
+        f"than one sequence of model.seq_len + 1 = {seq_len + 1}"
+      )
+
+  def __len__(self) -> int:
+    return self._windows
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    start = index * self._seq_len
+    return np.asarray(self._tokens[start : start + self._seq_len + 1], dtype=np.int32)
+
+
+def local_batches(
+  path: str, seq_len: int, model_vocab_size: int, seed: int, global_batch: int, rows: Sequence[int]
+) -> grain.IterDataset:
+  """This process's rows of every global batch, one [len(rows), seq_len + 1] array per step.
+
+  Row r of step s is record s * global_batch + r of the shuffled, endlessly repeated
+  windows, whichever process reads it; only the listed rows are read.
+  """
+  records = grain.MapDataset.source(TokenWindows(path, seq_len, model_vocab_size))
+  records = records.shuffle(seed=seed).repeat()
+  rows = list(rows)
+  per_step = len(rows)
+  # One element per (step, local row), in order; the map reads the record it stands for.
+  local = grain.MapDataset.range(sys.maxsize).map(
+    lambda i: records[(i // per_step) * global_batch + rows[i % per_step]]
+  )
+  # Reading is a memory-mapped slice per row: one thread keeps the cores for XLA.
+  return local.batch(per_step, drop_remainder=True).to_iter_dataset(
+    grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+  )
