@@ -73,8 +73,12 @@ _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override of a config fiel
                                  "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).")
 
 
-def _experiment() -> experiments.ExperimentConfig:
-  exp = overrides.apply(experiments.load(_EXPERIMENT.value), _SET.value)
+def _experiment(gpus: int | None = None) -> experiments.ExperimentConfig:
+  """The experiment with its --set overrides; on `gpus` GPUs, the variant they select."""
+  exp = experiments.load(_EXPERIMENT.value)
+  if gpus is not None:
+    exp = experiments.at_gpus(exp, gpus)
+  exp = overrides.apply(exp, _SET.value)
   if _STEPS.value:
     exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=_STEPS.value))
   if _MODE.value == "benchmark":
@@ -172,7 +176,7 @@ def _print_record(record: dict) -> None:
   print(table.key_values(f"Result ({record['mode']})", rows))
 
 
-def _projection_points(exp: experiments.ExperimentConfig) -> list[tuple[str, int]]:
+def _projection_points() -> list[tuple[str, int]]:
   """Every (hardware, gpus) point, all checked before the first compile."""
   counts = []
   for text in _GPUS.value:
@@ -181,17 +185,17 @@ def _projection_points(exp: experiments.ExperimentConfig) -> list[tuple[str, int
     counts.append(int(text))
   points = [(name.strip().lower(), gpus) for name in _HARDWARE.value for gpus in counts]
   for name, gpus in points:
-    project.plan(exp, project.hardware(name, gpus), gpus)
+    project.plan(_experiment(gpus), project.hardware(name, gpus), gpus)
   return points
 
 
-def _run_projection(exp: experiments.ExperimentConfig) -> list[dict]:
-  points = _projection_points(exp)
+def _run_projection() -> list[dict]:
+  points = _projection_points()
   records = []
   progress = tqdm.tqdm(points, desc="projecting", unit="point", disable=len(points) < 2)
   for name, gpus in progress:
     progress.set_postfix_str(f"{name} x {gpus}")
-    record = project.project(exp, name, gpus)
+    record = project.project(_experiment(gpus), name, gpus)
     record["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results.append(_OUTPUT_DIR.value, record)
     records.append(record)
@@ -227,12 +231,11 @@ def main(argv: list[str]) -> None:
     for name in experiments.names():
       print(f"{name:<16} {experiments.load(name).description}")
     return
-  exp = _experiment()
   if _MODE.value == "project":
-    _print_projection(_run_projection(exp))
+    _print_projection(_run_projection())
     print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
     return
-  record = _run_measured(exp)
+  record = _run_measured(_experiment())
   path = results.append(_OUTPUT_DIR.value, record)
   _print_record(record)
   print(f"\nappended to {path}")

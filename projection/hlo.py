@@ -597,3 +597,8 @@ def total_bytes(program: Program | Iterable[Node]) -> float:
 def collectives(program: Program | Iterable[Node]) -> Iterator[tuple[Collective, int]]:
   """Each collective with its multiplicity (how many times it runs per step)."""
   return ((n, m) for n, m in walk(program) if isinstance(n, Collective))
+
+
+def uses_fp8(program: Program | Iterable[Node]) -> bool:
+  """Whether any matmul takes FP8 (f8e4m3fn, f8e5m2, ...) operands."""
+  return any(n.dot_dtype.startswith("f8") for n, _ in walk(program) if isinstance(n, Compute))

@@ -198,7 +198,8 @@ def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
 def plan(exp, hw: Hardware, gpus: int) -> layout.ReducedMesh:
   """The target layout and its reduced mesh; bad input raises before anything compiles."""
   try:
-    target = layout.target_layout(exp.mesh, gpus, hw.gpus_per_node, hw.nvlink_domain_size)
+    domain = layout.rack_aligned_domain(exp.mesh, gpus, hw.gpus_per_node, hw.nvlink_domain_size)
+    target = layout.target_layout(exp.mesh, gpus, hw.gpus_per_node, domain)
     return layout.reduce(target, exp.train)
   except UserInputError as e:
     raise UserInputError(f"--gpus {gpus} on {hw.name}: {e}") from None
@@ -250,6 +251,15 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   cost = cost_model.simulate(program.entry, hw, collective_timer(reduced, hw))
   tokens_per_s = tokens_per_step / cost.step_s
   model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
+  if hlo.uses_fp8(program) and hw.peak_tflops("fp8"):
+    record["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
+  if exp.benchmark is not None:
+    # An evaluation is a forward pass: a third of the model's training FLOPs, against
+    # the compiled step's FLOPs (which include recomputation).
+    forward = train_flops_per_token(exp.model) / 3 * tokens_per_step / record["hlo_flops_per_step"]
+    record["time_to_train"] = exp.benchmark.estimate(cost.step_s, exp.train.global_batch,
+                                                     forward)
+    record["time_to_train_min"] = record["time_to_train"]["time_to_train_min"]
   record.update({
       "step_time_s": cost.step_s,
       "tokens_per_s": tokens_per_s,
