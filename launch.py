@@ -216,6 +216,10 @@ def _print_projection(records: list[dict]) -> None:
     else:
       timing = (f"does not fit: {r['over_capacity_gb']:.1f} GB over", "", "", memory, "", "", "")
     rows.append((r["hardware"], r["gpus"], r["nodes"], mesh, *timing, r["compile_target"]))
+  if any("time_to_train_min" in r for r in records):
+    headers += ("bubble s", "time to train min")
+    rows = [(*row, r.get("breakdown", {}).get("bubble_s", ""), r.get("time_to_train_min", ""))
+            for row, r in zip(rows, records)]
   first = records[0]
   print(f"\n{first['experiment']}: {first['model']}, global batch {first['global_batch']} x "
         f"{first['seq_len']} tokens, {first['compute_dtype']}, remat {first['remat']}")

@@ -69,17 +69,18 @@ def rack_aligned_domain(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
   numbering devices rack after rack, 64-GPU model replicas would straddle racks (rack 1
   holds the end of replica 1 and the start of replica 2), and a straddling replica's
   fsdp and tensor collectives cross InfiniBand (GPT-3 175B, fsdp 8 x tensor 8 on 512
-  GB200: 44.9 s a step straddling, 15.7 s aligned). So each rack runs as many whole
-  trays as make its GPU count a multiple or a divisor of the block of axes inside data
-  (fsdp x tensor), the most such trays, leaving the rest of the rack idle (64 of 72 GPUs
-  for a 64-GPU block; all 72 for tensor 4 or 8). A layout decision of this project (a
-  scheduler can place jobs this way), not a published deployment rule.
+  GB200: 44.9 s a step straddling, 15.6 s aligned). So each rack runs as many whole
+  trays as make its GPU count a multiple or a divisor of one model replica (every axis
+  but data; a replica's devices are consecutive when data has no NVLink part, as on
+  4-GPU trays), the most such trays, leaving the rest of the rack idle (64 of 72 GPUs
+  for 32- or 64-GPU replicas; all 72 for tensor 8 alone). A layout decision of this
+  project (a scheduler can place jobs this way), not a published deployment rule.
   """
   if nvlink_domain <= gpus_per_node:
     return nvlink_domain
   sizes = plan(dataclasses.replace(mesh_cfg, devices_per_node=gpus_per_node,
                                    nvlink_domain=nvlink_domain), gpus).sizes
-  block = sizes["fsdp"] * sizes["tensor"]
+  block = math.prod(sizes.values()) // sizes["data"]
   return max(d for d in range(gpus_per_node, nvlink_domain + 1, gpus_per_node)
              if d % block == 0 or block % d == 0)
 
