@@ -71,8 +71,10 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
   return (y * scale + bias).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Causal softmax attention. q, k, v: [B, T, H, K] -> [B, T, H, K]."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla") -> jax.Array:
+  """Causal softmax attention. q, k, v: [B, T, H, K] -> [B, T, H, K]. kind: ModelConfig.attention."""
+  if kind == "cudnn":
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   T, K = q.shape[1], q.shape[3]
   scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
   causal = jnp.tril(jnp.ones((T, T), bool))
@@ -81,13 +83,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.einsum("bhqt,bthk->bqhk", probs, v)
 
 
-def block(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   """One pre-LN transformer block. x: [B, T, D]; p: one layer's parameters."""
   x = constrain(x, ("batch", "length", "act_embed"))
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
   qkv = jnp.einsum("btd,dchk->cbthk", h, p["qkv_kernel"]) + p["qkv_bias"][:, None, None]
   qkv = constrain(qkv, ("qkv", "batch", "length", "act_heads", None))  # [3, B, T, H, K]
-  a = attention(qkv[0], qkv[1], qkv[2])
+  a = attention(qkv[0], qkv[1], qkv[2], cfg.attention)
   x = x + jnp.einsum("bthk,hkd->btd", a, p["out_kernel"]) + p["out_bias"]
   h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
   h = jnp.einsum("btd,df->btf", h, p["fc1_kernel"]) + p["fc1_bias"]
@@ -122,7 +124,7 @@ class GPT(nnx.Module):
 
     layer_params = {name: cast(v) for name, v in vars(self.layers).items()
                     if isinstance(v, nnx.Param)}
-    step = jax.checkpoint(lambda carry, p: (block(carry, p), None),
+    step = jax.checkpoint(lambda carry, p: (block(cfg, carry, p), None),
                           policy=_REMAT[cfg.remat], prevent_cse=False)
     x, _ = jax.lax.scan(step, x, layer_params)
 

@@ -16,6 +16,7 @@ micro-batch count do not depend on the GPU count, so every GPU count of one expe
 """
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import math
@@ -128,11 +129,16 @@ def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_na
   mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES,
               axis_types=(AxisType.Auto,) * len(AXES))
   start = time.perf_counter()
-  program = train_step.build(model_cfg, train_cfg, mesh)
-  lowered = program.lower(train_cfg.global_batch, model_cfg.seq_len)
-  options = None
+  options, cudnn = None, contextlib.nullcontext()
   if target == "cuda":
     options = {**FAST_BACKEND, "xla_gpu_kernel_cache_file": _kernel_cache_file()}
+    cudnn = targets.cudnn_version_of(hw_name)
+  elif model_cfg.attention == "cudnn":
+    model_cfg = dataclasses.replace(model_cfg, attention="xla")
+    note = f"{note}; attention compiled as xla (cuDNN attention needs a CUDA target)"
+  program = train_step.build(model_cfg, train_cfg, mesh)
+  with cudnn:
+    lowered = program.lower(train_cfg.global_batch, model_cfg.seq_len)
   compiled = lowered.compile(compiler_options=options)
   memory = compiled.memory_analysis()
   per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes

@@ -17,6 +17,7 @@ from errors import UserInputError
 from experiments import mlperf_gpt3_175b as mlperf
 from experiments import overrides
 from hardware import catalog
+from model.gpt import attention
 from projection import cost_model, hlo, layout, project, targets
 
 _CUDA, _WHY = targets.cuda_available()
@@ -157,3 +158,31 @@ def test_nvl72_replicas_are_rack_aligned():
   tp8 = dataclasses.replace(gpt3, mesh=dataclasses.replace(gpt3.mesh, fsdp=1))
   assert project.plan(tp8, gb200, 768).target.nvlink_domain == 72
   assert project.plan(gpt3, H100, 512).target.nvlink_domain == 8
+
+
+# ----------------------------------------------------------------------------- attention
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_cudnn_flash_attention_compiles_deviceless_and_counts_its_matmuls():
+  B, T, H, K = 2, 2048, 24, 128
+  mesh = Mesh(np.array(targets.target_devices("h100", 1, 1)), ("x",))
+  x = jax.ShapeDtypeStruct(
+    (B, T, H, K), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec())
+  )
+  loss = lambda q, k, v: attention(q, k, v, "cudnn").astype(jnp.float32).sum()
+  with targets.cudnn_version_of("h100"):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower()
+  program = hlo.analyze(lowered.compile().as_text())
+  calls = [n for n, _ in hlo.walk(program) if isinstance(n, hlo.Compute) and "fmha" in n.kind]
+  # Causal: half of the T x T square; forward Q.K^T and P.V, backward five matmuls.
+  square = B * H * T * T * K
+  flops = {n.kind: n.dot_flops for n in calls}
+  assert flops == {
+    "__cudnn$fmhaSoftmax": 2 * 2 * square / 2,
+    "__cudnn$fmhaSoftmaxBackward": 5 * 2 * square / 2,
+  }
+  assert all(n.dot_dtype == "bf16" for n in calls)
+  # No [B, H, T, T] scores through HBM: every op moves less than one score tensor.
+  assert (
+    max(n.bytes_read + n.bytes_written for n, _ in hlo.walk(program) if isinstance(n, hlo.Compute))
+    < B * H * T * T * 2
+  )
