@@ -36,6 +36,12 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   attention: str = "xla"  # one of ATTENTION
+  # Megatron-style sequence parallelism over the tensor axis: the residual stream
+  # (LayerNorm, biases, residual adds) is sharded along the sequence (rules.py `act_seq`).
+  sequence_parallel: bool = False
+  # FP8 weight matmuls (QKV, attention output, MLP): E4M3 operands forward, E5M2
+  # gradients backward, per-tensor current scaling (model/fp8.py).
+  fp8: bool = False
 
   @property
   def d_ff(self) -> int:

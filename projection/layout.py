@@ -120,7 +120,7 @@ def _coords(groups: Groups, reduced: ReducedMesh) -> np.ndarray:
   """Reduced-mesh coordinates [groups, members, len(AXES)] of one collective's groups.
 
   Partition p of the compiled program is the reduced mesh's device p in row-major
-  (data, fsdp, tensor) order.
+  AXES order (data first).
   """
   shape = [reduced.sizes[a] for a in AXES]
   return np.stack(np.unravel_index(np.asarray(groups), shape), axis=-1)
@@ -142,14 +142,15 @@ def target_group_domains(groups: Groups, reduced: ReducedMesh) -> list[tuple[int
   align with the mesh (64-GPU replicas on 72-GPU NVL72 racks: some straddle two racks),
   and the slowest one gates the step, so every distinct placement is returned.
   """
-  coords = _coords(groups, reduced)                                     # [g, m, 3]
+  coords = _coords(groups, reduced)                                     # [g, m, len(AXES)]
   target = reduced.target
   data = np.arange(target.sizes["data"])
   if _spans_data(coords):
-    # Each group's (fsdp, tensor) members, as found at data index 0, at every data index.
-    others = coords[coords[:, :, 0] == 0][:, 1:].reshape(len(coords), -1, 1, 2)
+    # Each group's other-axis members, as found at data index 0, at every data index.
+    rest = len(AXES) - 1
+    others = coords[coords[:, :, 0] == 0][:, 1:].reshape(len(coords), -1, 1, rest)
     grid = np.broadcast_to(data[None, None, :, None], (*others.shape[:2], len(data), 1))
-    coords = np.concatenate([grid, np.broadcast_to(others, (*grid.shape[:3], 2))], axis=-1)
+    coords = np.concatenate([grid, np.broadcast_to(others, (*grid.shape[:3], rest))], axis=-1)
     coords = coords.reshape(len(others), -1, len(AXES))
   else:
     base = coords[coords[:, 0, 0] == 0]                                 # data replica 0's
