@@ -99,8 +99,13 @@ def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
                            f"{per_replica} sequences per data-parallel replica of "
                            f"{target.devices} GPUs")
     micro_batches = per_replica // train_cfg.micro_batch
-    # A target without accumulation (one micro-batch) compiles as it runs, loop-free.
-    compiled = min(micro_batches, COMPILED_MICRO_BATCHES)
+    # A target without accumulation (one micro-batch) compiles as it runs, loop-free. A
+    # pipelined one compiles all its micro-batches: its embedding, head and micro-batch
+    # buffer sit outside the pipeline loop and grow with their count (and interleaving
+    # needs at least as many as stages); compile time hardly depends on it.
+    compiled = micro_batches
+    if target.sizes.get("pipeline", 1) == 1:
+      compiled = min(micro_batches, COMPILED_MICRO_BATCHES)
     per_replica = train_cfg.micro_batch * compiled
   sizes = {**target.sizes, "data": min(target.sizes["data"], REDUCED_DATA)}
   return ReducedMesh(target, sizes, per_replica * sizes["data"] * sizes["fsdp"], micro_batches,

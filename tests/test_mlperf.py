@@ -14,11 +14,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import experiments
 from errors import UserInputError
+from experiments import ExperimentConfig
 from experiments import mlperf_gpt3_175b as mlperf
 from experiments import overrides
 from hardware import catalog
+from model.config import ModelConfig
 from model.gpt import attention
+from parallelism.mesh import MeshConfig
 from projection import cost_model, hlo, layout, project, targets
+from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
 H100 = catalog.get("h100")
@@ -70,16 +74,23 @@ def test_published_configurations_are_the_default_for_their_gpu_counts():
 # ----------------------------------------------------------------------------- overrides
 def test_parallelism_shortcuts_set_the_real_fields():
   exp = experiments.load("mlperf_gpt3_175b")
+  assert exp.model.fp8 and exp.mesh.pipeline == 8
   got = overrides.apply(
     exp,
-    ["variant=eos_10752", "tensor_parallel=8", "micro_batch=4", "global_batch=3072", "remat=full"],
+    [
+      "variant=eos_10752",
+      "tensor_parallel=8",
+      "pipeline_parallel=4",
+      "virtual_stages=3",
+      "micro_batch=4",
+      "global_batch=3072",
+      "precision=bf16",
+      "remat=full",
+    ],
   )
-  assert (got.mesh.tensor, got.train.micro_batch, got.train.global_batch, got.model.remat) == (
-    8,
-    4,
-    3072,
-    "full",
-  )
+  assert (got.mesh.tensor, got.mesh.pipeline, got.train.virtual_stages) == (8, 4, 3)
+  assert (got.train.micro_batch, got.train.global_batch) == (4, 3072)
+  assert (got.model.fp8, got.model.remat) == (False, "full")
   assert got.variants == exp.variants  # a variant keeps its siblings selectable
 
 
@@ -186,3 +197,47 @@ def test_cudnn_flash_attention_compiles_deviceless_and_counts_its_matmuls():
     max(n.bytes_read + n.bytes_written for n, _ in hlo.walk(program) if isinstance(n, hlo.Compute))
     < B * H * T * T * 2
   )
+
+
+# ----------------------------------------------------------------------------- pipeline bubble
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
+  # 2 stages x 2 virtual stages, 4 micro-batches per replica: 4 x 2 + 2 - 1 = 9 trips of
+  # each pipeline loop (forward and backward), 1 of them idle.
+  exp = ExperimentConfig(
+    name="pp",
+    description="pipeline bubble",
+    model=ModelConfig(
+      name="pp",
+      num_layers=4,
+      d_model=128,
+      num_heads=2,
+      head_dim=64,
+      seq_len=128,
+      vocab_size=256,
+      compute_dtype="bfloat16",
+    ),
+    mesh=MeshConfig(data=-1, pipeline=2),
+    train=TrainConfig(
+      global_batch=16, micro_batch=1, pipeline_schedule="interleaved", virtual_stages=2
+    ),
+  )
+  record = project.project(exp, "h100", 8)
+  assert (record["micro_batches"], record["compiled_micro_batches"]) == (4, 4)
+  reduced = project.plan(exp, H100, 8)
+  train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
+  program = project.compile_step(
+    exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8
+  ).program
+  timer = project.collective_timer(reduced, H100)
+  loops = [program.entry[i] for i in project.pipeline_loops(program)]
+  assert [loop.trip_count for loop in loops] == [9, 9]
+  loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop in loops)
+  bubble = record["breakdown"]["bubble_s"]
+  assert bubble > 0 and bubble == pytest.approx(loops_s / 9)  # (P-1) / (M V + P - 1)
+  # 8 micro-batches: 8 more busy trips per loop, the same one idle.
+  eight = project.with_micro_batches(program, 4, 8, virtual_stages=2)
+  assert [eight.entry[i].trip_count for i in project.pipeline_loops(eight)] == [17, 17]
+  assert project.bubble_s(eight, H100, timer, 8, 2, 2) == pytest.approx(bubble)
+  with pytest.raises(RuntimeError, match="not the 8 x 2 \\+ 2 - 1 of the schedule"):
+    project.bubble_s(program, H100, timer, 8, 2, 2)
