@@ -78,8 +78,10 @@ def rack_aligned_domain(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
   """
   if nvlink_domain <= gpus_per_node:
     return nvlink_domain
+  # The axis sizes only; target_layout checks the layout on the domain chosen here.
   sizes = plan(dataclasses.replace(mesh_cfg, devices_per_node=gpus_per_node,
-                                   nvlink_domain=nvlink_domain), gpus).sizes
+                                   nvlink_domain=nvlink_domain, allow_tensor_beyond_nvlink=True),
+               gpus).sizes
   block = math.prod(sizes.values()) // sizes["data"]
   return max(d for d in range(gpus_per_node, nvlink_domain + 1, gpus_per_node)
              if d % block == 0 or block % d == 0)
