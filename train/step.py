@@ -73,8 +73,6 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       params["layers"] = pipeline.stage_order(params["layers"], stages, virtual)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-  abstract = jax.eval_shape(init)
-  sharding.check_divisible(abstract.params, mesh)
   data_ways = sharding.data_parallel_ways(mesh)
   if train_cfg.global_batch % data_ways:
     raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
@@ -84,13 +82,14 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
                          f"{per_replica} sequences per data-parallel replica")
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
+  if pipelined:
+    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches)
+  abstract = jax.eval_shape(init)
+  sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
-
-  if pipelined:
-    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches)
 
   def loss_fn(params, batch):
     logits = nnx.merge(graphdef, params)(batch["inputs"])
