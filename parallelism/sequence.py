@@ -17,6 +17,7 @@ Each is the other's transpose, so the backward pass gets the mirror image.
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from parallelism import rules
@@ -53,12 +54,20 @@ def matmul(
   if mesh.empty:
     return fn(spec, x, w)
 
+  # XLA:CPU (jax 0.10.2) aborts compiling steps with bfloat16 reduce-scatters ("Invalid
+  # binary instruction opcode copy"), so on CPU meshes the collectives carry float32; each
+  # is the other's transpose, so both are cast. GPU targets keep the compute dtype.
+  device = mesh.abstract_device
+  wire = jnp.float32 if device is not None and device.platform == "cpu" else None
+
   def local(x, w):
     if x_axes[1] == SEQUENCE:
-      x = jax.lax.all_gather(x, TENSOR, axis=1, tiled=True)
+      x = jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True).astype(x.dtype)
     y = fn(spec, x, w)
     if out_axes[1] == SEQUENCE:
-      y = jax.lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)
+      y = jax.lax.psum_scatter(
+        y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
+      ).astype(y.dtype)
     return y
 
   specs = tuple(_tensor_only(a) for a in (x_axes, w_axes, out_axes))

@@ -46,6 +46,7 @@ class TrainProgram:
   step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # jitted train step
   abstract_state: TrainState                      # shapes + shardings, nothing allocated
   batch_sharding: NamedSharding
+  micro_batches: int = 1          # per data-parallel replica: accumulated, or pipelined
 
   def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     shape = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -145,4 +146,5 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, replicated), donate_argnums=0),
       abstract_state=abstract_state,
-      batch_sharding=batch_sharding)
+      batch_sharding=batch_sharding,
+      micro_batches=micro_batches)
