@@ -49,6 +49,7 @@ from experiments import overrides
 from hardware import catalog
 from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
+from parallelism import pipeline
 from projection import project
 from report import results, table
 from train import loop
@@ -127,6 +128,22 @@ def _peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
   raise UserInputError(f"--devices: no peak figure for {devices[0].device_kind} in hardware/catalog.py")
 
 
+def _pipeline_record(exp: experiments.ExperimentConfig, stages: int, micro_batches: int) -> dict:
+  """The pipeline schedule's shape, printed and recorded when there is one."""
+  if stages == 1:
+    return {}
+  virtual = exp.train.virtual_stages
+  record = {"pipeline_schedule": exp.train.pipeline_schedule, "virtual_stages": virtual,
+            "micro_batches": micro_batches,
+            "pipeline_trips": pipeline.trips(micro_batches, stages, virtual),
+            "bubble_fraction": pipeline.bubble_fraction(micro_batches, stages, virtual)}
+  print(table.key_values("Pipeline", [
+      ("schedule", f"{record['pipeline_schedule']}, {stages} stages x {virtual} virtual"),
+      ("micro-batches", f"{micro_batches} per data-parallel replica"),
+      ("loop trips", f"{record['pipeline_trips']}, bubble {record['bubble_fraction']:.1%}")]))
+  return record
+
+
 def _run_measured(exp: experiments.ExperimentConfig) -> dict:
   devices = _devices()
   layout = mesh_lib.plan(exp.mesh, len(devices))
@@ -136,6 +153,7 @@ def _run_measured(exp: experiments.ExperimentConfig) -> dict:
   print(table.key_values(
       f"Mesh: {layout.devices} {devices[0].platform.upper()} devices as {layout.nodes} nodes "
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
+  pipeline_record = _pipeline_record(exp, layout.sizes["pipeline"], program.micro_batches)
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
   run = loop.run(program, exp.model, exp.train)
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
@@ -151,6 +169,7 @@ def _run_measured(exp: experiments.ExperimentConfig) -> dict:
                        train_flops_per_token(exp.model), peak),
       "peak_source": peak_source,
       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      **pipeline_record,
   }
   if _MODE.value == "train":
     record["losses"] = run.losses
@@ -203,7 +222,7 @@ def _run_projection() -> list[dict]:
 
 
 def _print_projection(records: list[dict]) -> None:
-  headers = ("hardware", "gpus", "nodes", "data x fsdp x tensor", "step s", "tokens/s/GPU",
+  headers = ("hardware", "gpus", "nodes", "data x fsdp x tensor x pipeline", "step s", "tokens/s/GPU",
              "MFU", "memory GB", "compute s", "exposed comm s", "other s", "compiled for")
   rows = []
   for r in records:

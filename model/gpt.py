@@ -19,6 +19,7 @@ from flax import nnx
 from model import fp8
 from model.config import ModelConfig
 from parallelism.rules import constrain
+from parallelism import sequence
 
 _REMAT = {
     # No matmul is recomputed, but LayerNorm, GELU and softmax are: their intermediates
@@ -100,16 +101,27 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   """
   residual = residual_axes(cfg)
   matmul = fp8.einsum if cfg.fp8 else jnp.einsum
+
+  def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
+    if cfg.sequence_parallel:
+      return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes)
+    return constrain(matmul(spec, h, w), out_axes)
+
   x = constrain(x, residual)
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-  qkv = matmul("btd,dchk->cbthk", h, p["qkv_kernel"]) + p["qkv_bias"][:, None, None]
-  qkv = constrain(qkv, ("qkv", "batch", "length", "act_heads", None))  # [3, B, T, H, K]
+  qkv_axes = ("qkv", "batch", "length", "act_heads", None)  # [3, B, T, H, K]
+  qkv = tensor_parallel("btd,dchk->cbthk", h, p["qkv_kernel"], residual,
+                        ("embed", "qkv", "heads", "kv"), qkv_axes)
+  qkv = constrain(qkv + p["qkv_bias"][:, None, None], qkv_axes)
   a = attention(qkv[0], qkv[1], qkv[2], cfg.attention)
-  x = x + constrain(matmul("bthk,hkd->btd", a, p["out_kernel"]), residual) + p["out_bias"]
+  x = x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"], qkv_axes[1:],
+                          ("heads", "kv", "embed"), residual) + p["out_bias"]
   h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-  h = matmul("btd,df->btf", h, p["fc1_kernel"]) + p["fc1_bias"]
-  h = jax.nn.gelu(constrain(h, ("batch", "length", "act_mlp")))
-  return x + constrain(matmul("btf,fd->btd", h, p["fc2_kernel"]), residual) + p["fc2_bias"]
+  mlp_axes = ("batch", "length", "act_mlp")
+  h = tensor_parallel("btd,df->btf", h, p["fc1_kernel"], residual, ("embed", "mlp"), mlp_axes)
+  h = jax.nn.gelu(constrain(h + p["fc1_bias"], mlp_axes))
+  h = tensor_parallel("btf,fd->btd", h, p["fc2_kernel"], mlp_axes, ("mlp", "embed"), residual)
+  return x + h + p["fc2_bias"]
 
 
 def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array]) -> jax.Array:

@@ -62,7 +62,7 @@ class MeshLayout:
     return self.devices // self.devices_per_node
 
   def describe(self) -> list[str]:
-    return [f"{axis:>6} {self.sizes[axis]:>5} = {self.nvlink[axis]} NVLink x "
+    return [f"{axis:>8} {self.sizes[axis]:>5} = {self.nvlink[axis]} NVLink x "
             f"{self.infiniband[axis]} InfiniBand" for axis in AXES]
 
 

@@ -46,6 +46,7 @@ class TrainProgram:
   step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # jitted train step
   abstract_state: TrainState                      # shapes + shardings, nothing allocated
   batch_sharding: NamedSharding
+  micro_batches: int = 1          # per data-parallel replica: accumulated, or pipelined
 
   def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     shape = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -73,8 +74,6 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       params["layers"] = pipeline.stage_order(params["layers"], stages, virtual)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-  abstract = jax.eval_shape(init)
-  sharding.check_divisible(abstract.params, mesh)
   data_ways = sharding.data_parallel_ways(mesh)
   if train_cfg.global_batch % data_ways:
     raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
@@ -84,13 +83,14 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
                          f"{per_replica} sequences per data-parallel replica")
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
+  if pipelined:
+    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches)
+  abstract = jax.eval_shape(init)
+  sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
-
-  if pipelined:
-    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches)
 
   def loss_fn(params, batch):
     logits = nnx.merge(graphdef, params)(batch["inputs"])
@@ -146,4 +146,5 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, replicated), donate_argnums=0),
       abstract_state=abstract_state,
-      batch_sharding=batch_sharding)
+      batch_sharding=batch_sharding,
+      micro_batches=micro_batches)
