@@ -57,11 +57,17 @@ def _replace(cfg: Any, path: list[str], text: str, full_key: str) -> Any:
   return dataclasses.replace(cfg, **{name: _parse(full_key, text, fields[name].type)})
 
 
-_POSITIVE = {"tensor_parallel": "mesh.tensor", "pipeline_parallel": "mesh.pipeline",
-             "virtual_stages": "train.virtual_stages", "micro_batch": "train.micro_batch",
-             "global_batch": "train.global_batch"}
-_CHOICES = {"precision": ("model.fp8", {"bf16": "false", "fp8": "true"}),
-            "remat": ("model.remat", {p: p for p in REMAT_POLICIES})}
+_POSITIVE = {
+  "tensor_parallel": "mesh.tensor",
+  "pipeline_parallel": "mesh.pipeline",
+  "virtual_stages": "train.virtual_stages",
+  "micro_batch": "train.micro_batch",
+  "global_batch": "train.global_batch",
+}
+_CHOICES = {
+  "precision": ("model.fp8", {"bf16": "false", "fp8": "true"}),
+  "remat": ("model.remat", {p: p for p in REMAT_POLICIES}),
+}
 SHORTCUTS = (*_POSITIVE, *_CHOICES, "variant")
 
 

@@ -60,7 +60,8 @@ class ModelConfig:
     if self.remat not in REMAT_POLICIES:
       raise UserInputError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     if self.attention not in ATTENTION:
-      raise UserInputError(f"model.attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+      raise UserInputError(f"model.attention must be one of {', '.join(ATTENTION)}, "
+                           f"got {self.attention!r}")
     for field in ("param_dtype", "compute_dtype"):
       if getattr(self, field) not in DTYPES:
         raise UserInputError(f"model.{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")

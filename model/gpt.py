@@ -75,7 +75,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla") -> jax.Array:
-  """Causal softmax attention. q, k, v: [B, T, H, K] -> [B, T, H, K]. kind: ModelConfig.attention."""
+  """Causal softmax attention. q, k, v: [B, T, H, K] -> [B, T, H, K]; kind as
+  ModelConfig.attention."""
   if kind == "cudnn":
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   T, K = q.shape[1], q.shape[3]

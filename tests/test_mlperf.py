@@ -4,7 +4,6 @@ kept inside racks. No 175B compile here (the calibration runs in
 benchmarks/mlperf_gpt3.py); the FP8 check compiles one small matmul deviceless."""
 
 import dataclasses
-from collections import Counter
 
 import jax
 import jax.numpy as jnp
