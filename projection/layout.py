@@ -69,7 +69,7 @@ def rack_aligned_domain(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
   numbering devices rack after rack, 64-GPU model replicas would straddle racks (rack 1
   holds the end of replica 1 and the start of replica 2), and a straddling replica's
   fsdp and tensor collectives cross InfiniBand (GPT-3 175B, fsdp 8 x tensor 8 on 512
-  GB200: 44.9 s a step straddling, 15.6 s aligned). So each rack runs as many whole
+  GB200: 44.5 s a step straddling, 15.5 s aligned). So each rack runs as many whole
   trays as make its GPU count a multiple or a divisor of one model replica (every axis
   but data; a replica's devices are consecutive when data has no NVLink part, as on
   4-GPU trays), the most such trays, leaving the rest of the rack idle (64 of 72 GPUs
