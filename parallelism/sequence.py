@@ -25,8 +25,9 @@ from parallelism import rules
 TENSOR = "tensor"
 SEQUENCE = "act_seq"
 # The pipeline runs each stage under jax.vmap(spmd_axis_name="pipeline"); a shard_map
-# inside it must then treat `pipeline` as manual too.
-_MANUAL = (TENSOR, "pipeline")
+# inside it must then treat `pipeline` as manual too (only then: an unused manual axis
+# gets no-op all-reduces over one-device groups in the backward pass).
+PIPELINE = "pipeline"
 
 
 def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -79,6 +80,6 @@ def matmul(
     mesh=mesh,
     in_specs=specs[:2],
     out_specs=specs[2],
-    axis_names=set(_MANUAL) & set(mesh.axis_names),
+    axis_names={TENSOR} | ({PIPELINE} if mesh.shape.get(PIPELINE, 1) > 1 else set()),
     check_vma=False,
   )(x, w)
