@@ -125,11 +125,23 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   return x + h + p["fc2_bias"]
 
 
-def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array]) -> jax.Array:
-  """Every layer of a stack (leading axis of each parameter) on x, under the remat policy."""
-  step = jax.checkpoint(lambda carry, p: (block(cfg, carry, p), None),
-                        policy=_REMAT[cfg.remat], prevent_cse=False)
-  return jax.lax.scan(step, x, layer_params)[0]
+def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array],
+               rows: jax.Array | None = None) -> jax.Array:
+  """Layers of a stack (leading axis of each parameter) on x, under the remat policy: all of
+  them, or the stack's `rows` in order, indexed inside the remat boundary (the pipeline's
+  rows change every trip, and a slice taken outside would be saved for the backward pass
+  every trip)."""
+  if rows is None:
+    step = lambda carry, p: (block(cfg, carry, p), None)
+    xs = layer_params
+  else:
+    def step(carry, row):
+      p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False),
+                       layer_params)
+      return block(cfg, carry, p), None
+    xs = rows
+  step = jax.checkpoint(step, policy=_REMAT[cfg.remat], prevent_cse=False)
+  return jax.lax.scan(step, x, xs)[0]
 
 
 class GPT(nnx.Module):

@@ -104,7 +104,7 @@ def _per_rank(x: jax.Array) -> jax.Array:
 
 
 def run(
-  run_chunk: Callable[[jax.Array, dict], jax.Array],
+  run_chunk: Callable[[jax.Array, dict, jax.Array], jax.Array],
   layers: dict[str, jax.Array],
   inputs: jax.Array,
   stages: int,
@@ -112,21 +112,23 @@ def run(
 ) -> jax.Array:
   """All layers on every micro-batch through the pipeline.
 
-  run_chunk(x, chunk_params): C layers on one micro-batch x [b, ...], the params' leading
-  axis C. layers: stacked [L, ...] in stage order, sharded over `pipeline`. inputs
+  run_chunk(x, rank_params, rows): the layers `rows` [C] of one rank's stack (leading axis
+  V C) on one micro-batch x [b, ...]; it indexes the stack itself, inside its remat
+  boundary, so that a per-trip slice of the weights is never saved for the backward pass.
+  layers: stacked [L, ...] in stage order, sharded over `pipeline`. inputs
   [M, b, ...]: the embedded micro-batches. Returns the last layer's outputs [M, b, ...],
   held by rank 0.
   """
   P, V, M = stages, virtual_stages, inputs.shape[0]
-  # [L, ...] -> [P, V, C, ...]: splits the sharded axis along its blocks, no data moves.
-  chunks = jax.tree.map(lambda x: x.reshape(P, V, -1, *x.shape[1:]), layers)
+  C = jax.tree.leaves(layers)[0].shape[0] // (P * V)
+  # [L, ...] -> [P, V C, ...]: splits the sharded axis along its blocks, no data moves.
+  chunks = jax.tree.map(lambda x: x.reshape(P, V * C, *x.shape[1:]), layers)
   rank = jnp.arange(P)
 
   def one_rank(params, t, s, x):
     k = t - s
     v = jnp.clip(k // M, 0, V - 1)
-    chunk = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, v, 0, keepdims=False), params)
-    return run_chunk(x, chunk)
+    return run_chunk(x, params, v * C + jnp.arange(C))
 
   def trip(carry, t):
     x, buffer = carry  # [P, b, ...], [P, M, b, ...]

@@ -25,8 +25,9 @@ from parallelism import rules
 TENSOR = "tensor"
 SEQUENCE = "act_seq"
 # The pipeline runs each stage under jax.vmap(spmd_axis_name="pipeline"); a shard_map
-# inside it must then treat `pipeline` as manual too.
-_MANUAL = (TENSOR, "pipeline")
+# inside it must then treat `pipeline` as manual too (only then: an unused manual axis
+# gets no-op all-reduces over one-device groups in the backward pass).
+PIPELINE = "pipeline"
 
 
 def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -71,10 +72,14 @@ def matmul(
     return y
 
   specs = tuple(_tensor_only(a) for a in (x_axes, w_axes, out_axes))
+  # check_vma=False: FP8's per-tensor scales mix values that vary over different manual
+  # axes (the pipeline's vmap adds one), which the varying-axes check rejects; every
+  # collective here is explicit, so the check has nothing else to catch.
   return jax.shard_map(
     local,
     mesh=mesh,
     in_specs=specs[:2],
     out_specs=specs[2],
-    axis_names=set(_MANUAL) & set(mesh.axis_names),
+    axis_names={TENSOR} | ({PIPELINE} if mesh.shape.get(PIPELINE, 1) > 1 else set()),
+    check_vma=False,
   )(x, w)
