@@ -177,11 +177,11 @@ def _print_axes(label: str, result: dict) -> None:
   )
 
 
-def calibration() -> None:
+def calibration(sets: list[str]) -> None:
   exp = experiments.load("mlperf_gpt3_175b")
   rows, results = [], []
   for name, gpus, published in CALIBRATION:
-    result = analyse(experiments.variant(exp, name), "h100", gpus)
+    result = analyse(overrides.apply(experiments.variant(exp, name), sets), "h100", gpus)
     row = _row(f"{name} ({gpus})", result)
     rows.append(
       (
@@ -193,7 +193,8 @@ def calibration() -> None:
       )
     )
     results.append((name, result))
-  print("\nCalibration: H100 in the published configurations (times 'if it fit')")
+  print(f"\nCalibration: H100 in the published configurations {' '.join(sets)} "
+        f"(times 'if it fit')")
   print(table.columns((*HEADERS, "published min", "error", "what-if error", "run s"), rows))
   for name, result in results:
     _print_axes(name, result)
@@ -230,7 +231,7 @@ def main() -> None:
   )
   args = parser.parse_args()
   if not args.skip_calibration:
-    calibration()
+    calibration(args.set)
   if not args.skip_generations:
     generations(args.hardware.split(","), args.set)
 
