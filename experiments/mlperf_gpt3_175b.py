@@ -114,19 +114,20 @@ def _published(
   )
 
 
-# mlperf-gpt3.md "Calibration points". Calibration (benchmarks/mlperf_gpt3.py): no
-# efficiency parameter of hardware/catalog.py is fitted to them, and none should be yet.
-# Projected with the pipeline of the `pipeline` branch at ad1ead5, neither configuration
-# fits in 80 GB (180 and 1,317 GB a GPU: the lockstep pipeline keeps every micro-batch's
-# activations), and timed as if it fit they are +526% (10,752 GPUs) and +394% (512) over
-# the published times. The misses are the program's, not the hardware figures': the
-# data-parallel gradient all-reduce runs inside the pipeline's backward loop, once per
-# trip (4.5 s of a 6.1 s step at 10,752 GPUs, 27 s of 47 s at 512), and with it once a
-# step the projection is still +112% / +116%, the rest mostly memory-bound work the
-# published runs fuse away (FP8 casts of the weights every micro-batch, unfused
-# LayerNorm / GELU / bias, copies of each layer's weights out of the layer stack).
-# Fitting an HBM or FLOP efficiency to close a 2x gap would break every other projection
-# of the same generation (the HBM fraction would have to exceed 1).
+# mlperf-gpt3.md "Calibration points". Calibration (benchmarks/mlperf_gpt3.py, README
+# "Calibration: missed, and why"): no efficiency parameter of hardware/catalog.py is
+# fitted to these points, and none should be yet: the misses are the program's, not the
+# hardware figures'. With the `pipeline` branch at 0dcdd5c, 10,752 H100 fit (77 GB) and
+# project to 514.6 min against 3.92 (sequence parallelism all-gathers activations along
+# the data axis on every pipeline trip); without sequence parallelism 25.7 min (+556%),
+# where the data-parallel gradient all-reduce inside the backward pipeline loop costs
+# 4.6 s of a 6.4 s step; with it once a step (a what-if) +136%. 512 H100 do not fit (608
+# GB a GPU: the lockstep pipeline keeps every micro-batch's activations) and, timed as
+# if they fit, are +495% (what-if +215%), most of the rest memory-bound work the
+# published runs fuse away (weight FP8 casts every micro-batch, unfused LayerNorm / GELU
+# / bias, weight copies out of the layer stack: 17.6 of 23.8 s of compute). Fitting an
+# HBM or FLOP efficiency to close a 2x gap would break every other projection of the
+# generation (the HBM fraction would have to exceed 1).
 PUBLISHED = {
   "eos_10752": (10752, _published("eos_10752", 10752, 4, 8, 12, 1, 2688, "v3.1, 3.92 min")),
   "eos_512": (512, _published("eos_512", 512, 4, 8, 6, 2, 2048, "v4.1, 49.80 min")),
