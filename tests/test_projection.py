@@ -78,7 +78,8 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
   r64, r128 = project.project(SMALL, "h100", 64), project.project(SMALL, "h100", 128)
   after = project.compile_step.cache_info()
   assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
-  assert r64["compiled_mesh"] == r128["compiled_mesh"] == {"data": 2, "fsdp": 2, "tensor": 4}
+  assert r64["compiled_mesh"] == r128["compiled_mesh"] == {"data": 2, "fsdp": 2, "tensor": 4,
+                                                           "pipeline": 1}
   assert (r64["micro_batches"], r128["micro_batches"]) == (8, 4)
   assert r64["compiled_micro_batches"] == r128["compiled_micro_batches"] == 2
   # Per GPU, 64 GPUs run twice the micro-batches of 128: twice the matmuls, no more.
