@@ -18,8 +18,8 @@ from flax import nnx
 
 from model import fp8
 from model.config import ModelConfig
-from parallelism.rules import constrain
 from parallelism import sequence
+from parallelism.rules import constrain
 
 _REMAT = {
     # No matmul is recomputed, but LayerNorm, GELU and softmax are: their intermediates

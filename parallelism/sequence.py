@@ -7,11 +7,11 @@ partial sums over `tensor` that must be summed and split along the sequence: a
 reduce-scatter. Together they move the bytes of the one all-reduce they replace, and
 LayerNorm, biases and residual adds between regions run on 1/tensor of the tokens.
 
-The sharding constraints alone would give the same program on GPUs, but XLA's CPU
-pipeline leaves each reduce-scatter as an all-reduce and a slice (only the GPU pipeline
-fuses the two), so the collectives are written out here with all_gather / psum_scatter
-inside a shard_map that is manual over `tensor` and automatic over the other axes.
-Each is the other's transpose, so the backward pass gets the mirror image.
+The sharding constraints alone leave each exit an all-reduce and a slice in XLA's CPU
+pipeline (the GPU pipeline has a pass that fuses the two), so the collectives are
+written out here with all_gather / psum_scatter inside a shard_map that is manual over
+`tensor` and automatic over the other axes. Each is the other's transpose, so the
+backward pass gets the mirror image.
 """
 
 from collections.abc import Callable, Sequence

@@ -166,6 +166,11 @@ def test_fp8_matches_bf16_within_quantisation_error():
     ),
     (
       MeshConfig(data=2, pipeline=4),
+      dataclasses.replace(TRAIN, pipeline_schedule="interleaved"),
+      "train.virtual_stages must be at least 2 with the interleaved schedule",
+    ),
+    (
+      MeshConfig(data=2, pipeline=4),
       dataclasses.replace(TRAIN, pipeline_schedule="1f1b"),
       "train.pipeline_schedule must be one of gpipe, interleaved",
     ),

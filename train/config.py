@@ -49,6 +49,9 @@ class TrainConfig:
     if self.pipeline_schedule == "gpipe" and self.virtual_stages != 1:
       raise UserInputError(f"train.virtual_stages must be 1 with the gpipe schedule, got "
                            f"{self.virtual_stages} (interleaved takes more)")
+    if self.pipeline_schedule == "interleaved" and self.virtual_stages < 2:
+      raise UserInputError(f"train.virtual_stages must be at least 2 with the interleaved "
+                           f"schedule, got {self.virtual_stages} (1 is gpipe)")
     if self.task not in TASKS:
       raise UserInputError(f"train.task must be one of {', '.join(TASKS)}, got {self.task!r}")
     if not self.learning_rate > 0:
