@@ -62,6 +62,7 @@ from experiments import overrides
 from hardware import catalog
 from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
+from parallelism import pipeline
 from projection import project
 from report import results, table
 from sweep import definitions as sweeps
@@ -104,9 +105,14 @@ _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override of a config fiel
                                  "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).")
 
 
-def _experiment(mode: str, first: tuple[str, ...] = ()) -> experiments.ExperimentConfig:
-  """The experiment with `first` then the user's --set overrides applied."""
-  exp = overrides.apply(experiments.load(_EXPERIMENT.value), [*first, *_SET.value])
+def _experiment(mode: str, first: tuple[str, ...] = (),
+                gpus: int | None = None) -> experiments.ExperimentConfig:
+  """The experiment on `gpus` GPUs (the variant they select), then `first` and the user's
+  --set overrides."""
+  exp = experiments.load(_EXPERIMENT.value)
+  if gpus is not None:
+    exp = experiments.at_gpus(exp, gpus)
+  exp = overrides.apply(exp, [*first, *_SET.value])
   if _STEPS.value:
     exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=_STEPS.value))
   if mode == "benchmark":
@@ -176,6 +182,29 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
     profile = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
                                             exp.train.warmup_steps + exp.train.steps)
   devices = _devices(num_devices)
+def _pipeline_record(exp: experiments.ExperimentConfig, stages: int, micro_batches: int) -> dict:
+  """The pipeline schedule's shape, printed and recorded when there is one."""
+  if stages == 1:
+    return {}
+  virtual = exp.train.virtual_stages
+  record = {"pipeline_schedule": exp.train.pipeline_schedule, "virtual_stages": virtual,
+            "micro_batches": micro_batches,
+            "pipeline_trips": pipeline.trips(micro_batches, stages, virtual),
+            "bubble_fraction": pipeline.bubble_fraction(micro_batches, stages, virtual)}
+  print(table.key_values("Pipeline", [
+      ("schedule", f"{record['pipeline_schedule']}, {stages} stages x {virtual} virtual"),
+      ("micro-batches", f"{micro_batches} per data-parallel replica"),
+      ("loop trips", f"{record['pipeline_trips']}, bubble {record['bubble_fraction']:.1%}")]))
+  return record
+
+
+def _run_measured(exp: experiments.ExperimentConfig, mode: str,
+                  num_devices: int | None = None) -> dict | None:
+  profile = None
+  if _PROFILE_STEPS.value:
+    profile = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
+                                            exp.train.warmup_steps + exp.train.steps)
+  devices = _devices(num_devices)
   layout = mesh_lib.plan(exp.mesh, len(devices))
   mesh = mesh_lib.build_mesh(layout, devices)
   program = train_step.build(exp.model, exp.train, mesh)
@@ -183,6 +212,7 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
   print(table.key_values(
       f"Mesh: {layout.devices} {devices[0].platform.upper()} devices as {layout.nodes} nodes "
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
+  pipeline_record = _pipeline_record(exp, layout.sizes["pipeline"], program.micro_batches)
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
   hooks = _step_hooks(exp, mode, layout.devices, peak, profile)
   checkpoints = None
@@ -208,6 +238,7 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
       "peak_source": peak_source,
       "tensorboard_dir": hooks[0].log_dir,
       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      **pipeline_record,
   }
   if profile:
     record["profile_dir"] = hooks[-1].log_dir
@@ -237,7 +268,7 @@ def _print_record(record: dict) -> None:
   print(table.key_values(f"Result ({record['mode']})", rows))
 
 
-def _projection_points(exp: experiments.ExperimentConfig) -> list[tuple[str, int]]:
+def _projection_points() -> list[tuple[str, int]]:
   """Every (hardware, gpus) point, all checked before the first compile."""
   counts = []
   for text in _GPUS.value:
@@ -246,17 +277,17 @@ def _projection_points(exp: experiments.ExperimentConfig) -> list[tuple[str, int
     counts.append(int(text))
   points = [(name.strip().lower(), gpus) for name in _HARDWARE.value for gpus in counts]
   for name, gpus in points:
-    project.plan(exp, project.hardware(name, gpus), gpus)
+    project.plan(_experiment("project", gpus=gpus), project.hardware(name, gpus), gpus)
   return points
 
 
-def _run_projection(exp: experiments.ExperimentConfig) -> list[dict]:
-  points = _projection_points(exp)
+def _run_projection() -> list[dict]:
+  points = _projection_points()
   records = []
   progress = tqdm.tqdm(points, desc="projecting", unit="point", disable=len(points) < 2)
   for name, gpus in progress:
     progress.set_postfix_str(f"{name} x {gpus}")
-    record = project.project(exp, name, gpus)
+    record = project.project(_experiment("project", gpus=gpus), name, gpus)
     record["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results.append(_OUTPUT_DIR.value, record)
     records.append(record)
@@ -264,7 +295,7 @@ def _run_projection(exp: experiments.ExperimentConfig) -> list[dict]:
 
 
 def _print_projection(records: list[dict]) -> None:
-  headers = ("hardware", "gpus", "nodes", "data x fsdp x tensor", "step s", "tokens/s/GPU",
+  headers = ("hardware", "gpus", "nodes", "data x fsdp x tensor x pipeline", "step s", "tokens/s/GPU",
              "MFU", "memory GB", "compute s", "exposed comm s", "other s", "compiled for")
   rows = []
   for r in records:
@@ -277,6 +308,10 @@ def _print_projection(records: list[dict]) -> None:
     else:
       timing = (f"does not fit: {r['over_capacity_gb']:.1f} GB over", "", "", memory, "", "", "")
     rows.append((r["hardware"], r["gpus"], r["nodes"], mesh, *timing, r["compile_target"]))
+  if any("time_to_train_min" in r for r in records):
+    headers += ("bubble s", "time to train min")
+    rows = [(*row, r.get("breakdown", {}).get("bubble_s", ""), r.get("time_to_train_min", ""))
+            for row, r in zip(rows, records)]
   first = records[0]
   print(f"\n{first['experiment']}: {first['model']}, global batch {first['global_batch']} x "
         f"{first['seq_len']} tokens, {first['compute_dtype']}, remat {first['remat']}")
@@ -290,7 +325,8 @@ def _run_sweep() -> None:
   exp = _experiment(definition.mode, definition.overrides)
   records = sweep_runner.run(exp, definition, _OUTPUT_DIR.value,
                              lambda e, n: _run_measured(e, "benchmark", n),
-                             jax.devices()[0].platform)
+                             jax.devices()[0].platform,
+                             lambda n: _experiment(definition.mode, definition.overrides, n))
   sweep_summary.finish(records, _OUTPUT_DIR.value)
   failed = [r["sweep_key"] for r in records if r["status"] == "failed"]
   if failed:  # a bug, not bad input: the reasons are in results.jsonl
@@ -316,13 +352,12 @@ def main(argv: list[str]) -> None:
   if _MODE.value == "sweep":
     _run_sweep()
     return
-  exp = _experiment(_MODE.value)
   if _MODE.value == "project":
-    _print_projection(_run_projection(exp))
+    _print_projection(_run_projection())
     print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
     return
   _check_distributed_flags()
-  record = _run_measured(exp, _MODE.value, _DEVICES.value)
+  record = _run_measured(_experiment(_MODE.value), _MODE.value, _DEVICES.value)
   if record is None or jax.process_index() != 0:
     return
   path = results.append(_OUTPUT_DIR.value, record)

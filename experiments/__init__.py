@@ -3,6 +3,8 @@
 import dataclasses
 import importlib
 import pkgutil
+from collections.abc import Mapping
+from typing import Any
 
 from errors import UserInputError
 from model.config import ModelConfig
@@ -17,14 +19,39 @@ class ExperimentConfig:
   model: ModelConfig
   mesh: MeshConfig
   train: TrainConfig
+  # Named alternatives (e.g. published configurations), selected with `--set variant=NAME`,
+  # and the one a GPU count selects by default.
+  variants: Mapping[str, "ExperimentConfig"] = dataclasses.field(default_factory=dict)
+  variant_by_gpus: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  # A time-to-train benchmark (experiments/_time_to_train.py): projections then also
+  # report time_to_train_min.
+  benchmark: Any = None
 
 
 def names() -> list[str]:
-  return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")
-                and m.name != "overrides")
+  return sorted(
+    m.name
+    for m in pkgutil.iter_modules(__path__)
+    if not m.name.startswith("_") and m.name != "overrides"
+  )
 
 
 def load(name: str) -> ExperimentConfig:
   if name not in names():
     raise UserInputError(f"--experiment must be one of {', '.join(names())}, got {name!r}")
   return importlib.import_module(f"experiments.{name}").get_config()
+
+
+def variant(exp: ExperimentConfig, name: str) -> ExperimentConfig:
+  if name not in exp.variants:
+    allowed = ", ".join(exp.variants) or "none"
+    raise UserInputError(f"--set variant: {exp.name} has variants {allowed}, got {name!r}")
+  # The chosen variant keeps its siblings selectable.
+  return dataclasses.replace(
+    exp.variants[name], variants=exp.variants, variant_by_gpus=exp.variant_by_gpus
+  )
+
+
+def at_gpus(exp: ExperimentConfig, gpus: int) -> ExperimentConfig:
+  """The configuration `gpus` GPUs run by default: a published one where one matches."""
+  return variant(exp, exp.variant_by_gpus[gpus]) if gpus in exp.variant_by_gpus else exp

@@ -2,7 +2,15 @@
 
 KEY is a dotted path into the experiment (`model.num_layers`, `mesh.tensor`,
 `train.global_batch`); VALUE is parsed by the field's type. `model=NAME` swaps in a
-named model size (model/config.py PRESETS).
+named model size (model/config.py PRESETS); `variant=NAME` swaps in one of the experiment's
+named variants (experiments/mlperf_gpt3_175b.py's published configurations).
+
+Shortcuts for the parallelism of a projection, each setting the real field(s):
+
+  tensor_parallel=N    mesh.tensor          pipeline_parallel=N  mesh.pipeline
+  virtual_stages=N     train.virtual_stages micro_batch=N        train.micro_batch
+  global_batch=N       train.global_batch   precision=bf16|fp8   model.fp8
+  remat=POLICY         model.remat (none, full, save_dots)
 """
 
 import dataclasses
@@ -10,9 +18,11 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+import experiments
 from errors import UserInputError
-from model.config import preset
+from model.config import REMAT_POLICIES, preset
 
+_NOT_SETTABLE = ("name", "description", "variants", "variant_by_gpus", "benchmark")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
@@ -32,8 +42,8 @@ def _parse(key: str, text: str, kind: Any) -> Any:
 def _replace(cfg: Any, path: list[str], text: str, full_key: str) -> Any:
   fields = {f.name: f for f in dataclasses.fields(cfg)}
   name = path[0]
-  if name not in fields or name in ("name", "description"):
-    allowed = ", ".join(n for n in fields if n not in ("name", "description"))
+  if name not in fields or name in _NOT_SETTABLE:
+    allowed = ", ".join(n for n in fields if n not in _NOT_SETTABLE)
     raise UserInputError(f"--set {full_key}: unknown key {name!r}; allowed: {allowed}")
   current = getattr(cfg, name)
   if dataclasses.is_dataclass(current):
@@ -47,11 +57,43 @@ def _replace(cfg: Any, path: list[str], text: str, full_key: str) -> Any:
   return dataclasses.replace(cfg, **{name: _parse(full_key, text, fields[name].type)})
 
 
+_POSITIVE = {
+  "tensor_parallel": "mesh.tensor",
+  "pipeline_parallel": "mesh.pipeline",
+  "virtual_stages": "train.virtual_stages",
+  "micro_batch": "train.micro_batch",
+  "global_batch": "train.global_batch",
+}
+_CHOICES = {
+  "precision": ("model.fp8", {"bf16": "false", "fp8": "true"}),
+  "remat": ("model.remat", {p: p for p in REMAT_POLICIES}),
+}
+SHORTCUTS = (*_POSITIVE, *_CHOICES, "variant")
+
+
+def _shortcut(cfg: Any, key: str, text: str) -> Any:
+  """A shortcut key's assignment, checked and mapped to the field(s) it stands for."""
+  if key == "variant":
+    return experiments.variant(cfg, text)
+  if key in _POSITIVE:
+    if not text.isdigit() or int(text) < 1:
+      raise UserInputError(f"--set {key}: expected a positive whole number, got {text!r}")
+    return _replace(cfg, _POSITIVE[key].split("."), text, key)
+  path, values = _CHOICES[key]
+  if text not in values:
+    raise UserInputError(f"--set {key}: expected one of {', '.join(values)}, got {text!r}")
+  return _replace(cfg, path.split("."), values[text], key)
+
+
 def apply(cfg: Any, assignments: Sequence[str]) -> Any:
   """Apply `KEY=VALUE` strings in order to a frozen dataclass config."""
   for assignment in assignments:
     key, sep, text = assignment.partition("=")
+    key, text = key.strip(), text.strip()
     if not sep or not key:
       raise UserInputError(f"--set expects KEY=VALUE, got {assignment!r}")
-    cfg = _replace(cfg, key.strip().split("."), text.strip(), key.strip())
+    if key in SHORTCUTS:
+      cfg = _shortcut(cfg, key, text)
+    else:
+      cfg = _replace(cfg, key.split("."), text, key)
   return cfg

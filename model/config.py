@@ -12,6 +12,10 @@ from errors import UserInputError
 RematPolicy = Literal["none", "full", "save_dots"]
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
+# xla: softmax attention as written (the [B, H, T, T] scores go through HBM); cudnn:
+# cuDNN's fused flash attention (jax.nn.dot_product_attention), NVIDIA GPUs only - what
+# the published GPT-3 runs use (Transformer Engine); for GPU runs and GPU projections.
+ATTENTION = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +35,13 @@ class ModelConfig:
   remat: RematPolicy = "none"
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
+  attention: str = "xla"  # one of ATTENTION
+  # Megatron-style sequence parallelism over the tensor axis: the residual stream
+  # (LayerNorm, biases, residual adds) is sharded along the sequence (rules.py `act_seq`).
+  sequence_parallel: bool = False
+  # FP8 weight matmuls (QKV, attention output, MLP): E4M3 operands forward, E5M2
+  # gradients backward, per-tensor current scaling (model/fp8.py).
+  fp8: bool = False
 
   @property
   def d_ff(self) -> int:
@@ -48,6 +59,9 @@ class ModelConfig:
         raise UserInputError(f"model.{field} must be a positive integer, got {getattr(self, field)}")
     if self.remat not in REMAT_POLICIES:
       raise UserInputError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.attention not in ATTENTION:
+      raise UserInputError(f"model.attention must be one of {', '.join(ATTENTION)}, "
+                           f"got {self.attention!r}")
     for field in ("param_dtype", "compute_dtype"):
       if getattr(self, field) not in DTYPES:
         raise UserInputError(f"model.{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")

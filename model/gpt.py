@@ -1,9 +1,10 @@
 """A GPT-3 style decoder in Flax NNX.
 
 Learned positions, pre-LayerNorm, GELU MLP of width 4 x d_model, causal multi-head
-attention. The layers are one stacked set of parameters (leading axis `layers`) run by
-`jax.lax.scan`, so compile time does not grow with depth. Every parameter carries its
-logical axis names in the `axes` metadata; parallelism/rules.py maps them to the mesh.
+attention. The layers are one stacked set of parameters (leading axis `layers`, or
+`stage` when pipelined: parallelism/pipeline.py runs them then) run by `jax.lax.scan`,
+so compile time does not grow with depth. Every parameter carries its logical axis names
+in the `axes` metadata; parallelism/rules.py maps them to the mesh.
 
 Shapes: B batch, T sequence, D d_model, H heads, K head size, F 4 x D, V padded vocab,
 L layers.
@@ -15,7 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import fp8
 from model.config import ModelConfig
+from parallelism import sequence
 from parallelism.rules import constrain
 
 _REMAT = {
@@ -40,26 +43,26 @@ def _ones(shape: tuple[int, ...], axes: tuple, dtype) -> nnx.Param:
 
 
 class Layers(nnx.Module):
-  """All transformer blocks' parameters, stacked along a leading `layers` axis."""
+  """All transformer blocks' parameters, stacked along a leading axis named `stack`."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: str = "layers"):
     L, D, H, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     dt = jnp.dtype(cfg.param_dtype)
     std = 0.02
     # GPT-2/3 scale the residual-branch output projections by 1/sqrt(2L).
     out_std = std / math.sqrt(2 * L)
-    self.ln1_scale = _ones((L, D), ("layers", "embed"), dt)
-    self.ln1_bias = _param(None, (L, D), ("layers", "embed"), 0, dt)
-    self.qkv_kernel = _param(rngs.params(), (L, D, 3, H, K), ("layers", "embed", "qkv", "heads", "kv"), std, dt)
-    self.qkv_bias = _param(None, (L, 3, H, K), ("layers", "qkv", "heads", "kv"), 0, dt)
-    self.out_kernel = _param(rngs.params(), (L, H, K, D), ("layers", "heads", "kv", "embed"), out_std, dt)
-    self.out_bias = _param(None, (L, D), ("layers", "embed"), 0, dt)
-    self.ln2_scale = _ones((L, D), ("layers", "embed"), dt)
-    self.ln2_bias = _param(None, (L, D), ("layers", "embed"), 0, dt)
-    self.fc1_kernel = _param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), std, dt)
-    self.fc1_bias = _param(None, (L, F), ("layers", "mlp"), 0, dt)
-    self.fc2_kernel = _param(rngs.params(), (L, F, D), ("layers", "mlp", "embed"), out_std, dt)
-    self.fc2_bias = _param(None, (L, D), ("layers", "embed"), 0, dt)
+    self.ln1_scale = _ones((L, D), (stack, "embed"), dt)
+    self.ln1_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    self.qkv_kernel = _param(rngs.params(), (L, D, 3, H, K), (stack, "embed", "qkv", "heads", "kv"), std, dt)
+    self.qkv_bias = _param(None, (L, 3, H, K), (stack, "qkv", "heads", "kv"), 0, dt)
+    self.out_kernel = _param(rngs.params(), (L, H, K, D), (stack, "heads", "kv", "embed"), out_std, dt)
+    self.out_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    self.ln2_scale = _ones((L, D), (stack, "embed"), dt)
+    self.ln2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    self.fc1_kernel = _param(rngs.params(), (L, D, F), (stack, "embed", "mlp"), std, dt)
+    self.fc1_bias = _param(None, (L, F), (stack, "mlp"), 0, dt)
+    self.fc2_kernel = _param(rngs.params(), (L, F, D), (stack, "mlp", "embed"), out_std, dt)
+    self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
@@ -71,8 +74,11 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
   return (y * scale + bias).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Causal softmax attention. q, k, v: [B, T, H, K] -> [B, T, H, K]."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla") -> jax.Array:
+  """Causal softmax attention. q, k, v: [B, T, H, K] -> [B, T, H, K]; kind as
+  ModelConfig.attention."""
+  if kind == "cudnn":
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   T, K = q.shape[1], q.shape[3]
   scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
   causal = jnp.tril(jnp.ones((T, T), bool))
@@ -81,54 +87,108 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.einsum("bhqt,bthk->bqhk", probs, v)
 
 
-def block(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-  """One pre-LN transformer block. x: [B, T, D]; p: one layer's parameters."""
-  x = constrain(x, ("batch", "length", "act_embed"))
+def residual_axes(cfg: ModelConfig) -> tuple[str, str, str]:
+  """Logical axes of the residual stream [B, T, D]: sequence-sharded with sequence parallelism."""
+  return ("batch", "act_seq" if cfg.sequence_parallel else "length", "act_embed")
+
+
+def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+  """One pre-LN transformer block. x: [B, T, D]; p: one layer's parameters.
+
+  The constraints mark the tensor-parallel regions: QKV and fc1 outputs are split over
+  heads / MLP width, and the output projections' partial sums return to the residual
+  stream's sharding: an all-reduce, or with sequence parallelism a reduce-scatter along
+  the sequence (and the next region's input an all-gather).
+  """
+  residual = residual_axes(cfg)
+  matmul = fp8.einsum if cfg.fp8 else jnp.einsum
+
+  def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
+    if cfg.sequence_parallel:
+      return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes)
+    return constrain(matmul(spec, h, w), out_axes)
+
+  x = constrain(x, residual)
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-  qkv = jnp.einsum("btd,dchk->cbthk", h, p["qkv_kernel"]) + p["qkv_bias"][:, None, None]
-  qkv = constrain(qkv, ("qkv", "batch", "length", "act_heads", None))  # [3, B, T, H, K]
-  a = attention(qkv[0], qkv[1], qkv[2])
-  x = x + jnp.einsum("bthk,hkd->btd", a, p["out_kernel"]) + p["out_bias"]
+  qkv_axes = ("qkv", "batch", "length", "act_heads", None)  # [3, B, T, H, K]
+  qkv = tensor_parallel("btd,dchk->cbthk", h, p["qkv_kernel"], residual,
+                        ("embed", "qkv", "heads", "kv"), qkv_axes)
+  qkv = constrain(qkv + p["qkv_bias"][:, None, None], qkv_axes)
+  a = attention(qkv[0], qkv[1], qkv[2], cfg.attention)
+  x = x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"], qkv_axes[1:],
+                          ("heads", "kv", "embed"), residual) + p["out_bias"]
   h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-  h = jnp.einsum("btd,df->btf", h, p["fc1_kernel"]) + p["fc1_bias"]
-  h = jax.nn.gelu(constrain(h, ("batch", "length", "act_mlp")))
-  return x + jnp.einsum("btf,fd->btd", h, p["fc2_kernel"]) + p["fc2_bias"]
+  mlp_axes = ("batch", "length", "act_mlp")
+  h = tensor_parallel("btd,df->btf", h, p["fc1_kernel"], residual, ("embed", "mlp"), mlp_axes)
+  h = jax.nn.gelu(constrain(h + p["fc1_bias"], mlp_axes))
+  h = tensor_parallel("btf,fd->btd", h, p["fc2_kernel"], mlp_axes, ("mlp", "embed"), residual)
+  return x + h + p["fc2_bias"]
+
+
+def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array],
+               rows: jax.Array | None = None) -> jax.Array:
+  """Layers of a stack (leading axis of each parameter) on x, under the remat policy: all of
+  them, or the stack's `rows` in order, indexed inside the remat boundary (the pipeline's
+  rows change every trip, and a slice taken outside would be saved for the backward pass
+  every trip)."""
+  if rows is None:
+    step = lambda carry, p: (block(cfg, carry, p), None)
+    xs = layer_params
+  else:
+    def step(carry, row):
+      p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False),
+                       layer_params)
+      return block(cfg, carry, p), None
+    xs = rows
+  step = jax.checkpoint(step, policy=_REMAT[cfg.remat], prevent_cse=False)
+  return jax.lax.scan(step, x, xs)[0]
 
 
 class GPT(nnx.Module):
-  """Decoder-only transformer: tokens [B, T] int32 -> logits [B, T, V] float32."""
+  """Decoder-only transformer: tokens [B, T] int32 -> logits [B, T, V] float32.
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  pipelined: the layer stack's leading axis is `stage` (sharded over the pipeline axis)
+  and the train step runs embed, the pipeline and head itself instead of __call__.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, pipelined: bool = False):
     cfg.validate()
     self.cfg = cfg
     D, V, dt = cfg.d_model, cfg.padded_vocab, jnp.dtype(cfg.param_dtype)
     self.wte = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02, dt)
     self.wpe = _param(rngs.params(), (cfg.seq_len, D), ("position", "embed"), 0.01, dt)
-    self.layers = Layers(cfg, rngs)
+    self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers")
     self.lnf_scale = _ones((D,), ("embed",), dt)
     self.lnf_bias = _param(None, (D,), ("embed",), 0, dt)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs.params(), (D, V), ("embed", "vocab"), 0.02, dt)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    cfg = self.cfg
-    cdt = jnp.dtype(cfg.compute_dtype)
-    cast = lambda a: a[...].astype(cdt)
-    T = tokens.shape[1]
+  def _cast(self, a: nnx.Param) -> jax.Array:
+    return a[...].astype(jnp.dtype(self.cfg.compute_dtype))
+
+  def _token_table(self) -> jax.Array:
     # Gather the table over fsdp first (as FSDP does for every weight) so the lookup
     # is vocab-parallel over tensor only; otherwise the partitioner replicates it.
-    wte = constrain(cast(self.wte), ("vocab", None))
-    x = constrain(wte[tokens] + cast(self.wpe)[:T], ("batch", "length", "act_embed"))  # [B, T, D]
+    return constrain(self._cast(self.wte), ("vocab", None))
 
-    layer_params = {name: cast(v) for name, v in vars(self.layers).items()
-                    if isinstance(v, nnx.Param)}
-    step = jax.checkpoint(lambda carry, p: (block(carry, p), None),
-                          policy=_REMAT[cfg.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, layer_params)
+  def layer_params(self) -> dict[str, jax.Array]:
+    """The stacked layer parameters in the compute dtype."""
+    return {name: self._cast(v) for name, v in vars(self.layers).items()
+            if isinstance(v, nnx.Param)}
 
-    x = layer_norm(x, cast(self.lnf_scale), cast(self.lnf_bias))
-    if cfg.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, wte)
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> the residual stream entering the first layer [B, T, D]."""
+    x = self._token_table()[tokens] + self._cast(self.wpe)[:tokens.shape[1]]
+    return constrain(x, residual_axes(self.cfg))
+
+  def head(self, x: jax.Array) -> jax.Array:
+    """The last layer's output [B, T, D] -> logits [B, T, V] float32."""
+    x = layer_norm(x, self._cast(self.lnf_scale), self._cast(self.lnf_bias))
+    if self.cfg.tie_embeddings:
+      logits = jnp.einsum("btd,vd->btv", x, self._token_table())
     else:
-      logits = jnp.einsum("btd,dv->btv", x, cast(self.lm_head))
+      logits = jnp.einsum("btd,dv->btv", x, self._cast(self.lm_head))
     return constrain(logits, ("batch", "length", "act_vocab")).astype(jnp.float32)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    return self.head(run_layers(self.cfg, self.embed(tokens), self.layer_params()))

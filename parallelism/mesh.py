@@ -1,10 +1,11 @@
 """A device mesh laid over the two networks of a GPU cluster.
 
-Each mesh axis (data, fsdp, tensor) is split into a part inside a node, where the GPUs
-share NVLink, and a part across nodes, over InfiniBand. Axes are placed innermost
-first - tensor, then fsdp, then data - because tensor parallelism sends the most bytes
-per step and data parallelism the fewest, so the fastest network goes to the most
-demanding axis (the Megatron-LM and MaxText convention).
+Each mesh axis (data, fsdp, tensor, pipeline) is split into a part inside a node, where
+the GPUs share NVLink, and a part across nodes, over InfiniBand. Axes are placed
+innermost first - tensor, then fsdp, then data, then pipeline - because tensor
+parallelism sends the most bytes per step, and pipeline parallelism only one micro-batch's
+activations per stage boundary, so the fastest network goes to the most demanding axis
+(the Megatron-LM and MaxText convention: pipeline stages across nodes).
 
 On a multi-process run the process is the node (`create_hybrid_device_mesh` with
 `process_is_granule=True`). On one host the local devices are grouped into emulated
@@ -22,9 +23,10 @@ from jax.sharding import AxisType, Mesh
 
 from errors import UserInputError
 
-AXES = ("data", "fsdp", "tensor")
+# pipeline is last so that data stays axis 0, which projection/layout.py relies on.
+AXES = ("data", "fsdp", "tensor", "pipeline")
 # Filled from the innermost (fastest network) axis outwards.
-_INNER_FIRST = ("tensor", "fsdp", "data")
+_INNER_FIRST = ("tensor", "fsdp", "data", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,7 @@ class MeshConfig:
   data: int = -1    # -1: every device the other axes leave
   fsdp: int = 1
   tensor: int = 1
+  pipeline: int = 1  # pipeline stages (train.pipeline_schedule runs them)
   # Devices per node (the InfiniBand granule); 0: the local device count of one process
   # on GPUs, half the devices (two emulated nodes) on a single host.
   devices_per_node: int = 0
@@ -59,7 +62,7 @@ class MeshLayout:
     return self.devices // self.devices_per_node
 
   def describe(self) -> list[str]:
-    return [f"{axis:>6} {self.sizes[axis]:>5} = {self.nvlink[axis]} NVLink x "
+    return [f"{axis:>8} {self.sizes[axis]:>5} = {self.nvlink[axis]} NVLink x "
             f"{self.infiniband[axis]} InfiniBand" for axis in AXES]
 
 
@@ -87,7 +90,7 @@ def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
                            f"the {num_devices} devices")
     sizes[free[0]] = num_devices // fixed
   if math.prod(sizes.values()) != num_devices:
-    raise UserInputError(f"mesh: data x fsdp x tensor = {math.prod(sizes.values())} "
+    raise UserInputError(f"mesh: data x fsdp x tensor x pipeline = {math.prod(sizes.values())} "
                          f"must equal the {num_devices} devices")
 
   per_node = cfg.devices_per_node or default_devices_per_node(num_devices)
@@ -105,8 +108,8 @@ def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
     nvlink[axis] = math.gcd(sizes[axis], remaining)
     remaining //= nvlink[axis]
   if remaining != 1:
-    raise UserInputError(f"mesh: the axes cannot tile a node of {per_node} devices "
-                         f"(data {sizes['data']}, fsdp {sizes['fsdp']}, tensor {sizes['tensor']})")
+    shape = ", ".join(f"{axis} {sizes[axis]}" for axis in AXES)
+    raise UserInputError(f"mesh: the axes cannot tile a node of {per_node} devices ({shape})")
   infiniband = {axis: sizes[axis] // nvlink[axis] for axis in AXES}
   return MeshLayout(sizes, {a: nvlink[a] for a in AXES}, infiniband, per_node, domain)
 
@@ -120,7 +123,7 @@ def device_grid(layout: MeshLayout, devices: Sequence) -> np.ndarray:
   """
   outer = [layout.infiniband[a] for a in AXES]
   inner = [layout.nvlink[a] for a in AXES]
-  grid = np.asarray(devices, dtype=object).reshape(outer + inner)  # [o_d, o_f, o_t, i_d, i_f, i_t]
+  grid = np.asarray(devices, dtype=object).reshape(outer + inner)  # [o_d, o_f, ..., i_d, i_f, ...]
   n = len(AXES)
   interleaved = [i for axis in range(n) for i in (axis, axis + n)]
   return grid.transpose(interleaved).reshape([layout.sizes[a] for a in AXES])

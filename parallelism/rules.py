@@ -21,10 +21,15 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("kv", None),             # head size: never split
     ("qkv", None),            # the q/k/v selector
     ("position", None),       # learned position rows
-    ("layers", None),         # the scanned layer stack (pipeline stages will take this)
+    ("layers", None),         # the scanned layer stack
+    ("stage", "pipeline"),    # the same stack when pipelined: contiguous blocks per stage
     # Activations.
     ("batch", ("data", "fsdp")),
-    ("length", None),         # the sequence axis will take it with sequence parallelism
+    ("length", None),         # the sequence inside tensor-parallel regions
+    # The sequence of the residual stream with sequence parallelism (model.sequence_parallel):
+    # LayerNorm, biases and residual adds run on 1/tensor of the tokens, and the
+    # tensor-parallel regions begin with an all-gather and end with a reduce-scatter.
+    ("act_seq", "tensor"),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),

@@ -37,6 +37,7 @@ def named_shardings(tree: Any, mesh: Mesh) -> Any:
 _FIELD_OF_AXIS = {"heads": "model.num_heads", "embed": "model.d_model",
                   "mlp": "model.d_model x 4 (MLP width)", "vocab": "padded model.vocab_size",
                   "kv": "model.head_dim", "layers": "model.num_layers",
+                  "stage": "model.num_layers",
                   "position": "model.seq_len"}
 
 

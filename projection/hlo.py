@@ -9,6 +9,8 @@ Conventions (per device, since an SPMD program is one device's program):
   FLOPs  dot: 2 * (product of output dims, batch dims included) * (product of lhs
          contracting dims). convolution: 2 * output elements * kernel elements / kernel
          output features. cuBLAS gemm custom-calls: as dot, from their backend_config.
+         cuDNN flash-attention custom-calls: their matmuls over the scores' shape in their
+         backend_config (see _fused_attention_flops), counted as dot FLOPs.
          Elementwise ops (arithmetic, compare, select, convert, and transcendentals such as
          exp/tanh/log, which are not weighted extra): 1 FLOP per output element.
          reduce: 1 FLOP per input element; reduce-window: output elements * window size.
@@ -353,6 +355,8 @@ class _Analyzer:
       contracting = [int(d) for d in dnums["lhs_contracting_dimensions"]]
       f = 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
       return f, f
+    if op == "custom-call" and "cudnn_fmha_backend_config" in ins.attrs.get("backend_config", ""):
+      return self._fused_attention_flops(ins, comp)
     if op == "reduce":
       n_in = len(ins.operands) // 2  # operands are inputs then init values
       return float(sum(_elems(comp.by_name[o].shape) for o in ins.operands[:n_in])), 0.0
@@ -363,6 +367,19 @@ class _Analyzer:
     if op in _NO_FLOPS or any(op.startswith(c) for c in _COLLECTIVES):
       return 0.0, 0.0
     return float(_elems(ins.shape)), 0.0  # elementwise, transcendental, compare, select...
+
+  @staticmethod
+  def _fused_attention_flops(ins: _Instr, comp: _Comp) -> tuple[float, float]:
+    """cuDNN flash attention: the forward runs two matmuls over the [B, H, Tq, Tk] scores
+    (Q.K^T and P.V, 2 x 2 x scores x K FLOPs), the backward five (Q.K^T again, then dV,
+    dP, dQ, dK); a causal mask skips the upper triangle's blocks, half the work."""
+    config = _json(ins.attrs["backend_config"])["cudnn_fmha_backend_config"]
+    scores = math.prod(int(d) for d in config["intermediate_tensor_shape"]["dimensions"])
+    head_dim = _arrays(comp.by_name[ins.operands[0]].shape)[0][1][-1]
+    matmuls = 5 if "Backward" in ins.attrs.get("custom_call_target", "") else 2
+    causal = 0.5 if config.get("mask_type") == "CAUSAL" else 1.0
+    f = matmuls * 2.0 * scores * head_dim * causal
+    return f, f
 
   def dot_dtype(self, ins: _Instr, comp: _Comp) -> str:
     """Element type of the first matmul's lhs, looking inside fusions."""
@@ -597,3 +614,8 @@ def total_bytes(program: Program | Iterable[Node]) -> float:
 def collectives(program: Program | Iterable[Node]) -> Iterator[tuple[Collective, int]]:
   """Each collective with its multiplicity (how many times it runs per step)."""
   return ((n, m) for n, m in walk(program) if isinstance(n, Collective))
+
+
+def uses_fp8(program: Program | Iterable[Node]) -> bool:
+  """Whether any matmul takes FP8 (f8e4m3fn, f8e5m2, ...) operands."""
+  return any(n.dot_dtype.startswith("f8") for n, _ in walk(program) if isinstance(n, Compute))

@@ -61,6 +61,32 @@ def target_layout(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
   return plan(cfg, gpus)
 
 
+def rack_aligned_domain(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
+                        nvlink_domain: int) -> int:
+  """GPUs used per NVLink domain so that model replicas do not straddle racks.
+
+  On HGX the domain is a node and nothing straddles. An NVL72 rack holds 18 trays of 4;
+  numbering devices rack after rack, 64-GPU model replicas would straddle racks (rack 1
+  holds the end of replica 1 and the start of replica 2), and a straddling replica's
+  fsdp and tensor collectives cross InfiniBand (GPT-3 175B, fsdp 8 x tensor 8 on 512
+  GB200: 44.5 s a step straddling, 15.5 s aligned). So each rack runs as many whole
+  trays as make its GPU count a multiple or a divisor of one model replica (every axis
+  but data; a replica's devices are consecutive when data has no NVLink part, as on
+  4-GPU trays), the most such trays, leaving the rest of the rack idle (64 of 72 GPUs
+  for 32- or 64-GPU replicas; all 72 for tensor 8 alone). A layout decision of this
+  project (a scheduler can place jobs this way), not a published deployment rule.
+  """
+  if nvlink_domain <= gpus_per_node:
+    return nvlink_domain
+  # The axis sizes only; target_layout checks the layout on the domain chosen here.
+  sizes = plan(dataclasses.replace(mesh_cfg, devices_per_node=gpus_per_node,
+                                   nvlink_domain=nvlink_domain, allow_tensor_beyond_nvlink=True),
+               gpus).sizes
+  block = math.prod(sizes.values()) // sizes["data"]
+  return max(d for d in range(gpus_per_node, nvlink_domain + 1, gpus_per_node)
+             if d % block == 0 or block % d == 0)
+
+
 def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
   """The compiled stand-in for `target`; bad batch sizes raise UserInputError."""
   replicas = target.sizes["data"] * target.sizes["fsdp"]
@@ -75,8 +101,13 @@ def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
                            f"{per_replica} sequences per data-parallel replica of "
                            f"{target.devices} GPUs")
     micro_batches = per_replica // train_cfg.micro_batch
-    # A target without accumulation (one micro-batch) compiles as it runs, loop-free.
-    compiled = min(micro_batches, COMPILED_MICRO_BATCHES)
+    # A target without accumulation (one micro-batch) compiles as it runs, loop-free. A
+    # pipelined one compiles all its micro-batches: its embedding, head and micro-batch
+    # buffer sit outside the pipeline loop and grow with their count (and interleaving
+    # needs at least as many as stages); compile time hardly depends on it.
+    compiled = micro_batches
+    if target.sizes.get("pipeline", 1) == 1:
+      compiled = min(micro_batches, COMPILED_MICRO_BATCHES)
     per_replica = train_cfg.micro_batch * compiled
   sizes = {**target.sizes, "data": min(target.sizes["data"], REDUCED_DATA)}
   return ReducedMesh(target, sizes, per_replica * sizes["data"] * sizes["fsdp"], micro_batches,
@@ -96,7 +127,7 @@ def _coords(groups: Groups, reduced: ReducedMesh) -> np.ndarray:
   """Reduced-mesh coordinates [groups, members, len(AXES)] of one collective's groups.
 
   Partition p of the compiled program is the reduced mesh's device p in row-major
-  (data, fsdp, tensor) order.
+  AXES order (data first).
   """
   shape = [reduced.sizes[a] for a in AXES]
   return np.stack(np.unravel_index(np.asarray(groups), shape), axis=-1)
@@ -118,14 +149,15 @@ def target_group_domains(groups: Groups, reduced: ReducedMesh) -> list[tuple[int
   align with the mesh (64-GPU replicas on 72-GPU NVL72 racks: some straddle two racks),
   and the slowest one gates the step, so every distinct placement is returned.
   """
-  coords = _coords(groups, reduced)                                     # [g, m, 3]
+  coords = _coords(groups, reduced)                                     # [g, m, len(AXES)]
   target = reduced.target
   data = np.arange(target.sizes["data"])
   if _spans_data(coords):
-    # Each group's (fsdp, tensor) members, as found at data index 0, at every data index.
-    others = coords[coords[:, :, 0] == 0][:, 1:].reshape(len(coords), -1, 1, 2)
+    # Each group's other-axis members, as found at data index 0, at every data index.
+    rest = len(AXES) - 1
+    others = coords[coords[:, :, 0] == 0][:, 1:].reshape(len(coords), -1, 1, rest)
     grid = np.broadcast_to(data[None, None, :, None], (*others.shape[:2], len(data), 1))
-    coords = np.concatenate([grid, np.broadcast_to(others, (*grid.shape[:3], 2))], axis=-1)
+    coords = np.concatenate([grid, np.broadcast_to(others, (*grid.shape[:3], rest))], axis=-1)
     coords = coords.reshape(len(others), -1, len(AXES))
   else:
     base = coords[coords[:, 0, 0] == 0]                                 # data replica 0's

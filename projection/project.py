@@ -16,6 +16,7 @@ micro-batch count do not depend on the GPU count, so every GPU count of one expe
 """
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import math
@@ -35,6 +36,7 @@ from hardware import catalog
 from hardware.catalog import Hardware
 from model.flops import param_count, train_flops_per_token
 from parallelism.mesh import AXES
+from parallelism import pipeline
 from projection import collectives, cost_model, hlo, layout, targets
 from train import step as train_step
 
@@ -86,6 +88,10 @@ def _save_kernel_cache(private: str, shared: str) -> None:
 
 # The gradient-accumulation loop is the while op that train/step.py's named scope names.
 _ACCUMULATION_OP = re.compile(rf"(^|/){re.escape(train_step.GRAD_ACCUMULATION_SCOPE)}/while$")
+# The pipeline's loops: the forward one ("jvp(pipeline)/while") and its transpose
+# ("transpose(jvp(pipeline))/while"), one trip each per schedule step
+# (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
+_PIPELINE_OP = re.compile(rf"(^|[/(]){re.escape(pipeline.PIPELINE_SCOPE)}\)*/while$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +134,16 @@ def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_na
   mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES,
               axis_types=(AxisType.Auto,) * len(AXES))
   start = time.perf_counter()
-  program = train_step.build(model_cfg, train_cfg, mesh)
-  lowered = program.lower(train_cfg.global_batch, model_cfg.seq_len)
-  options = None
+  options, cudnn = None, contextlib.nullcontext()
   if target == "cuda":
     options = {**FAST_BACKEND, "xla_gpu_kernel_cache_file": _kernel_cache_file()}
+    cudnn = targets.cudnn_version_of(hw_name)
+  elif model_cfg.attention == "cudnn":
+    model_cfg = dataclasses.replace(model_cfg, attention="xla")
+    note = f"{note}; attention compiled as xla (cuDNN attention needs a CUDA target)"
+  program = train_step.build(model_cfg, train_cfg, mesh)
+  with cudnn:
+    lowered = program.lower(train_cfg.global_batch, model_cfg.seq_len)
   compiled = lowered.compile(compiler_options=options)
   memory = compiled.memory_analysis()
   per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -141,7 +152,14 @@ def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_na
   return CompiledStep(analysis, per_device, target, time.perf_counter() - start, note)
 
 
-def with_micro_batches(program: hlo.Program, compiled: int, target: int) -> hlo.Program:
+def pipeline_loops(program: hlo.Program) -> list[int]:
+  """Entry positions of the pipeline's loops (forward and backward)."""
+  return [i for i, n in enumerate(program.entry)
+          if isinstance(n, hlo.Loop) and _PIPELINE_OP.search(n.op_name)]
+
+
+def with_micro_batches(program: hlo.Program, compiled: int, target: int,
+                       virtual_stages: int = 1) -> hlo.Program:
   """`program`, compiled for `compiled` micro-batches, running `target` of them.
 
   Sound because every micro-batch runs the same loop body: the work that does not
@@ -149,9 +167,21 @@ def with_micro_batches(program: hlo.Program, compiled: int, target: int) -> hlo.
   The difference is added to the loop's trip count rather than set, in case XLA peeled
   an iteration out of the loop. Memory is left as compiled: the only buffer that grows
   with the count is the token batch, 8 bytes a token per device (a few MB at most).
+
+  A pipelined program's micro-batches run through its pipeline loops instead, each
+  micro-batch `virtual_stages` trips of each (parallelism/pipeline.py); the pipeline's
+  fill and drain trips do not depend on the count. (Its embedding and head run outside
+  the loops, so projection/layout.py compiles a pipelined step at the target's count.)
   """
   if target == compiled:
     return program
+  loops = pipeline_loops(program)
+  if loops:
+    entry = list(program.entry)
+    for i in loops:
+      entry[i] = dataclasses.replace(entry[i], trip_count=entry[i].trip_count
+                                     + (target - compiled) * virtual_stages)
+    return dataclasses.replace(program, entry=tuple(entry))
   found = [i for i, n in enumerate(program.entry)
            if isinstance(n, hlo.Loop) and _ACCUMULATION_OP.search(n.op_name)]
   if len(found) != 1:
@@ -167,6 +197,27 @@ def with_micro_batches(program: hlo.Program, compiled: int, target: int) -> hlo.
   entry = list(program.entry)
   entry[found[0]] = dataclasses.replace(loop, trip_count=trips)
   return dataclasses.replace(program, entry=tuple(entry))
+
+
+def bubble_s(program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Collective], float],
+             micro_batches: int, stages: int, virtual_stages: int) -> float:
+  """Seconds of the pipeline's idle trips: each pipeline loop runs micro_batches x
+  virtual_stages busy trips and stages - 1 idle ones (fill and drain), every trip the
+  same body (ranks compute in lockstep, an idle rank on stale data), so the bubble is
+  the idle trips' share of the loops' compiled time."""
+  loops = pipeline_loops(program)
+  busy = micro_batches * virtual_stages
+  if stages > 1 and not loops:
+    raise RuntimeError(f"{program.name}: no pipeline loop (a while op named "
+                       f"'{pipeline.PIPELINE_SCOPE}/while') at the top of the program")
+  total = 0.0
+  for i in loops:
+    loop = program.entry[i]
+    if loop.trip_count != pipeline.trips(micro_batches, stages, virtual_stages):
+      raise RuntimeError(f"{loop.name}: {loop.trip_count} trips, not the "
+                         f"{micro_batches} x {virtual_stages} + {stages} - 1 of the schedule")
+    total += (loop.trip_count - busy) * cost_model.simulate(loop.body, hw, collective_s).step_s
+  return total
 
 
 def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
@@ -198,7 +249,8 @@ def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
 def plan(exp, hw: Hardware, gpus: int) -> layout.ReducedMesh:
   """The target layout and its reduced mesh; bad input raises before anything compiles."""
   try:
-    target = layout.target_layout(exp.mesh, gpus, hw.gpus_per_node, hw.nvlink_domain_size)
+    domain = layout.rack_aligned_domain(exp.mesh, gpus, hw.gpus_per_node, hw.nvlink_domain_size)
+    target = layout.target_layout(exp.mesh, gpus, hw.gpus_per_node, domain)
     return layout.reduce(target, exp.train)
   except UserInputError as e:
     raise UserInputError(f"--gpus {gpus} on {hw.name}: {e}") from None
@@ -218,8 +270,10 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   step = compile_step(exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name,
                       hw.gpus_per_node)
+  stages = target.sizes.get("pipeline", 1)
+  virtual = exp.train.virtual_stages if stages > 1 else 1
   program = with_micro_batches(step.program, reduced.compiled_micro_batches,
-                               reduced.micro_batches)
+                               reduced.micro_batches, virtual)
 
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   memory_gb = step.memory_per_device_bytes / GB
@@ -247,9 +301,19 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
     record["over_capacity_gb"] = memory_gb - capacity_gb
     return record
 
-  cost = cost_model.simulate(program.entry, hw, collective_timer(reduced, hw))
+  timer = collective_timer(reduced, hw)
+  cost = cost_model.simulate(program.entry, hw, timer)
   tokens_per_s = tokens_per_step / cost.step_s
   model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
+  if hlo.uses_fp8(program) and hw.peak_tflops("fp8"):
+    record["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
+  if exp.benchmark is not None:
+    # An evaluation is a forward pass: a third of the model's training FLOPs, against
+    # the compiled step's FLOPs (which include recomputation).
+    forward = train_flops_per_token(exp.model) / 3 * tokens_per_step / record["hlo_flops_per_step"]
+    record["time_to_train"] = exp.benchmark.estimate(cost.step_s, exp.train.global_batch,
+                                                     forward)
+    record["time_to_train_min"] = record["time_to_train"]["time_to_train_min"]
   record.update({
       "step_time_s": cost.step_s,
       "tokens_per_s": tokens_per_s,
@@ -257,8 +321,12 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
       "tokens_per_s_per_device": tokens_per_s / gpus,
       "model_tflops_per_device": model_tflops,
       "mfu": model_tflops / hw.peak_tflops("bf16"),
+      # bubble_s: the pipeline's idle trips, a part of the step that the other three
+      # also cover (its ops and waits are counted there too).
       "breakdown": {"compute_s": cost.compute_s, "exposed_comm_s": cost.exposed_comm_s,
-                    "other_s": cost.other_s},
+                    "other_s": cost.other_s,
+                    "bubble_s": bubble_s(program, hw, timer, reduced.micro_batches, stages,
+                                         virtual)},
       "comm_s": cost.comm_s,
   })
   return record

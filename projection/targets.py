@@ -19,9 +19,12 @@ drivers" lines from C++ to stderr when jax is imported; platform_env.configure()
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "hardware" / "targets"
@@ -44,8 +47,11 @@ def cuda_available() -> tuple[bool, str]:
   try:
     target_devices("h100", 1, 1)
   except NotImplementedError:
-    hint = "" if os.environ.get("JAX_PLATFORMS") == "cpu" else \
-        "; on a machine without a GPU set JAX_PLATFORMS=cpu before importing jax"
+    hint = (
+      ""
+      if os.environ.get("JAX_PLATFORMS") == "cpu"
+      else "; on a machine without a GPU set JAX_PLATFORMS=cpu before importing jax"
+    )
     return False, f"the CUDA plugin registered no GPU topology (plugin failed to initialize{hint})"
   except Exception as e:  # any other failure: report its first line
     return False, f"deviceless CUDA topology failed: {str(e).strip().splitlines()[0]}"
@@ -58,7 +64,28 @@ def target_devices(hardware: str, nodes: int, gpus_per_node: int) -> list:
   from jax.experimental import topologies  # deferred: JAX_PLATFORMS must be set first
 
   # Topology "<slices>x<hosts per slice>x<devices per host>"; one slice of `nodes` hosts.
-  topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{nodes}x{gpus_per_node}",
-                                      target_config=target_config(hardware))
+  topo = topologies.get_topology_desc(
+    platform="cuda", topology=f"1x{nodes}x{gpus_per_node}", target_config=target_config(hardware)
+  )
   return list(topo.devices)
 
+
+@contextlib.contextmanager
+def cudnn_version_of(hardware: str) -> Iterator[None]:
+  """While active, tracing cuDNN attention (jax.nn.dot_product_attention(implementation=
+  "cudnn")) sees the target config's cuDNN version instead of asking the cuDNN library,
+  which a deviceless compile does not have; XLA then compiles the fused attention for the
+  target (checked: H100, forward and backward custom-calls). JAX offers no public hook, so
+  this swaps its private version check and puts it back."""
+  from jax._src.cudnn import fused_attention_stablehlo as fused  # deferred, as above
+
+  m = re.search(r"dnn_version_info\s*{\s*major:\s*(\d+)\s*minor:\s*(\d+)", target_config(hardware))
+  if m is None:
+    raise ValueError(f"{hardware}: the target config has no dnn_version_info")
+  version = int(m.group(1)) * 10000 + int(m.group(2)) * 100  # cuDNN 9's encoding
+  saved = fused.check_cudnn_version
+  fused.check_cudnn_version = lambda: version
+  try:
+    yield
+  finally:
+    fused.check_cudnn_version = saved

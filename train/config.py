@@ -5,6 +5,7 @@ import dataclasses
 from errors import UserInputError
 
 TASKS = ("synthetic", "learnable", "tokens")
+PIPELINE_SCHEDULES = ("gpipe", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +15,11 @@ class TrainConfig:
   # global batch runs as micro-batches in sequence, gradients summed (activation memory
   # of one micro-batch at the cost of a loop). 0: the whole share at once.
   micro_batch: int = 0
+  # With mesh.pipeline > 1 the micro-batches flow through the pipeline stages instead
+  # (parallelism/pipeline.py). gpipe: each stage's layers in one piece; interleaved: in
+  # `virtual_stages` chunks, a micro-batch circling the stages that many times.
+  pipeline_schedule: str = "gpipe"
+  virtual_stages: int = 1
   steps: int = 10               # timed / trained steps
   warmup_steps: int = 2         # excluded from timing (compilation caches, allocators)
   learning_rate: float = 3e-4
@@ -37,6 +43,17 @@ class TrainConfig:
     for field in ("micro_batch", "warmup_steps", "lr_warmup_steps", "lr_decay_steps"):
       if getattr(self, field) < 0:
         raise UserInputError(f"train.{field} must be >= 0, got {getattr(self, field)}")
+    if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+      raise UserInputError(f"train.pipeline_schedule must be one of "
+                           f"{', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
+    if self.virtual_stages < 1:
+      raise UserInputError(f"train.virtual_stages must be a positive integer, got {self.virtual_stages}")
+    if self.pipeline_schedule == "gpipe" and self.virtual_stages != 1:
+      raise UserInputError(f"train.virtual_stages must be 1 with the gpipe schedule, got "
+                           f"{self.virtual_stages} (interleaved takes more)")
+    if self.pipeline_schedule == "interleaved" and self.virtual_stages < 2:
+      raise UserInputError(f"train.virtual_stages must be at least 2 with the interleaved "
+                           f"schedule, got {self.virtual_stages} (1 is gpipe)")
     if self.task not in TASKS:
       raise UserInputError(f"train.task must be one of {', '.join(TASKS)}, got {self.task!r}")
     if self.task == "tokens" and not self.data_path:

@@ -17,10 +17,11 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 def _decay_mask(params):
   # Weight decay on matrices only: biases, LayerNorm and (stacked) vectors are exempt.
-  # A stacked layer parameter has a leading `layers` axis, hence the axes check.
+  # A stacked layer parameter has a leading `layers` (or pipelined `stage`) axis, hence
+  # the axes check.
   def is_matrix(x):
     axes = x.get_metadata().get("axes", ())
-    return len([a for a in axes if a != "layers"]) >= 2
+    return len([a for a in axes if a not in ("layers", "stage")]) >= 2
   return jax.tree.map(is_matrix, params, is_leaf=lambda x: hasattr(x, "get_metadata"))
 
 

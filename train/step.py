@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from errors import UserInputError
 from model.config import ModelConfig
-from model.gpt import GPT
-from parallelism import sharding
+from model.gpt import GPT, run_layers
+from parallelism import pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
 
@@ -46,6 +46,7 @@ class TrainProgram:
   step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # jitted train step
   abstract_state: TrainState                      # shapes + shardings, nothing allocated
   batch_sharding: NamedSharding
+  micro_batches: int = 1          # per data-parallel replica: accumulated, or pipelined
 
   def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     shape = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -61,13 +62,18 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
   train_cfg.validate()
   tx = make_optimizer(train_cfg)
   schedule = learning_rate_schedule(train_cfg)
+  stages, virtual = mesh.shape[pipeline.MESH_AXIS], train_cfg.virtual_stages
+  pipelined = stages > 1
+  if model_cfg.sequence_parallel and model_cfg.seq_len % mesh.shape["tensor"]:
+    raise UserInputError(f"model.seq_len = {model_cfg.seq_len} does not divide over mesh tensor "
+                         f"= {mesh.shape['tensor']} (model.sequence_parallel)")
 
   def init() -> TrainState:
-    params = nnx.state(GPT(model_cfg, nnx.Rngs(train_cfg.seed)), nnx.Param)
+    params = nnx.state(GPT(model_cfg, nnx.Rngs(train_cfg.seed), pipelined), nnx.Param)
+    if pipelined:
+      params["layers"] = pipeline.stage_order(params["layers"], stages, virtual)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-  abstract = jax.eval_shape(init)
-  sharding.check_divisible(abstract.params, mesh)
   data_ways = sharding.data_parallel_ways(mesh)
   if train_cfg.global_batch % data_ways:
     raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
@@ -77,8 +83,12 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
                          f"{per_replica} sequences per data-parallel replica")
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
+  if pipelined:
+    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches)
+  abstract = jax.eval_shape(init)
+  sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0))))
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -86,13 +96,30 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     logits = nnx.merge(graphdef, params)(batch["inputs"])
     return cross_entropy(logits, batch["targets"])
 
+  def split(batch):
+    # [B, T] -> [B/n, n, T] keeps each device's rows on it (rows are sharded in
+    # contiguous blocks); the micro-batch index then moves to the front.
+    n = micro_batches
+    return jax.tree.map(lambda x: x.reshape(-1, n, x.shape[-1]).swapaxes(0, 1), batch)
+
+  def pipelined_loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    micro = split(batch)                                     # [M, b, T]
+    x = jax.vmap(model.embed)(micro["inputs"])
+    x = pipeline.run(lambda x, p, rows: run_layers(model_cfg, x, p, rows),
+                     model.layer_params(), x, stages, virtual)
+    # The head's micro-batches split over the stages, which would otherwise all repeat it.
+    spread = pipeline.MESH_AXIS if micro_batches % stages == 0 else None
+    logits = jax.vmap(model.head, spmd_axis_name=spread)(x)
+    return cross_entropy(logits, micro["targets"])
+
   def loss_and_grads(params, batch):
     n = micro_batches
+    if pipelined:
+      return jax.value_and_grad(pipelined_loss_fn)(params, batch)
     if n == 1:
       return jax.value_and_grad(loss_fn)(params, batch)
-    # [B, T] -> [B/n, n, T] keeps each device's rows on it (rows are sharded in
-    # contiguous blocks); the micro-batch index then moves to the front for the scan.
-    micro = jax.tree.map(lambda x: x.reshape(-1, n, x.shape[-1]).swapaxes(0, 1), batch)
+    micro = split(batch)
 
     def accumulate(carry, micro_batch):
       loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch)
@@ -119,4 +146,5 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, replicated), donate_argnums=0),
       abstract_state=abstract_state,
-      batch_sharding=batch_sharding)
+      batch_sharding=batch_sharding,
+      micro_batches=micro_batches)

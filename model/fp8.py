@@ -1,0 +1,67 @@
+"""FP8 weight matmuls: E4M3 operands forward, E5M2 gradients backward, scaled per tensor.
+
+`einsum(spec, x, w)` stands in for `jnp.einsum` on the four weight matmuls of a block.
+Both operands are scaled so their largest magnitude lands on the format's largest finite
+value, cast to float8_e4m3fn (3 mantissa bits: precision for activations and weights),
+and multiplied as FP8 with a float32 accumulator; the product is unscaled. The backward
+pass casts the incoming gradient to float8_e5m2 (2 mantissa bits, 5 exponent bits: range
+for gradients) and runs both gradient matmuls on FP8 operands too, so XLA sees f8 dot
+operands in all three matmuls of every weight, as an FP8 GEMM runs them on Hopper and
+Blackwell (the E4M3 / E5M2 "hybrid" recipe of Micikevicius et al. 2022,
+arXiv:2209.05433).
+
+Scaling is *current* (the amax of the tensor being cast, computed in the same step), not
+Flax's delayed scaling (`flax.linen.fp8_ops`: an amax history carried between steps as
+mutable per-matmul state whose "gradient" is its next value). That state would have to be
+stacked per layer, threaded through the layer scan and the pipeline loop, and kept out
+of AdamW; current scaling needs no state at the cost of one max-reduction per operand
+(a scalar all-reduce when the operand is sharded). The casts themselves are Flax's
+(`fp8_ops.quantize`), so saturation and rounding match Flax's FP8 path.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+
+
+def _quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """x as `dtype` and the float32 scale that restores it (x ~= q * scale)."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+  return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
+
+
+def _fp8_einsum(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  return (out * scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """jnp.einsum(spec, x, w) with FP8 operands; spec has two operands and each index of an
+  operand appears in the other operand or the output (true of every weight matmul)."""
+  return _forward(spec, x, w)[0]
+
+
+def _forward(spec, x, w):
+  xq, x_scale = _quantize(x, E4M3)
+  wq, w_scale = _quantize(w, E4M3)
+  return _fp8_einsum(spec, xq, wq, x_scale * w_scale, x.dtype), (xq, x_scale, wq, w_scale)
+
+
+def _backward(spec, residuals, g):
+  xq, x_scale, wq, w_scale = residuals
+  gq, g_scale = _quantize(g, E5M2)
+  inputs, out = spec.split("->")
+  x_axes, w_axes = inputs.split(",")
+  dx = _fp8_einsum(f"{out},{w_axes}->{x_axes}", gq, wq, g_scale * w_scale, g.dtype)
+  dw = _fp8_einsum(f"{x_axes},{out}->{w_axes}", xq, gq, x_scale * g_scale, g.dtype)
+  return dx, dw
+
+
+einsum.defvjp(_forward, _backward)

@@ -1,0 +1,154 @@
+"""Pipeline parallelism: micro-batches flow through layer stages laid along `pipeline`.
+
+Layout. The layer stack [L, ...] (logical axis `stage`, rules.py) is split over the P
+pipeline ranks in contiguous blocks of L / P rows. Each block holds V virtual stages
+(train.virtual_stages) of C = L / (P V) layers: chunk v of rank s is the model's chunk
+v P + s, so a micro-batch crosses the ranks V times, 0, 1, ..., P-1, 0, 1, ... (the
+interleaved or circular schedule; V = 1 is GPipe). Stored row s V C + v C + j is model
+layer (v P + s) C + j; `stage_order` / `model_order` convert.
+
+Schedule. The loop runs the stages in lockstep. One trip: every rank applies one chunk
+(C layers) to its current micro-batch, then the outputs move one rank on (a collective
+permute; the last rank's output returns to rank 0). At trip t rank s works on
+k = t - s, that is micro-batch k mod M of chunk k div M, when 0 <= k < M V, and idles
+(computes on stale data whose result is dropped) otherwise. So there are
+
+    trips = M V + P - 1,  each rank busy M V of them: bubble = (P - 1) / (M V + P - 1)
+
+of the loop, in the forward loop and in its transpose alike (both run under the name
+scope PIPELINE_SCOPE, the `while` ops' op_name says so). A micro-batch leaving rank P-1
+after chunk v re-enters rank 0 for chunk v + 1 at trip (v + 1) M + m, M - P + 1 trips
+after it left; rank 0 keeps it meanwhile in a per-micro-batch buffer, which also holds
+the embedded inputs at the start and the last chunk's outputs at the end. Re-entering
+later than it left needs M >= P micro-batches when V > 1.
+
+Everything is one SPMD program: the per-rank state is a [P, ...] array sharded over
+`pipeline`, the ranks' work is `jax.vmap` over it with `spmd_axis_name="pipeline"`, and
+the move is `jnp.roll` along it, which XLA partitions into a collective-permute.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from errors import UserInputError
+
+# Name scope of the pipeline loop, in the optimized HLO as the while ops' op_name
+# (".../pipeline/while" forward and its transpose backward); each trip as documented above.
+PIPELINE_SCOPE = "pipeline"
+MESH_AXIS = "pipeline"
+
+
+def trips(micro_batches: int, stages: int, virtual_stages: int) -> int:
+  """Trips of the pipeline loop (forward; the backward loop runs as many)."""
+  return micro_batches * virtual_stages + stages - 1
+
+
+def bubble_fraction(micro_batches: int, stages: int, virtual_stages: int) -> float:
+  """Share of the loop's trips a rank idles."""
+  return (stages - 1) / trips(micro_batches, stages, virtual_stages)
+
+
+def check(num_layers: int, stages: int, virtual_stages: int, micro_batches: int) -> None:
+  """Bad pipeline shapes raise UserInputError naming the field."""
+  if num_layers % (stages * virtual_stages):
+    raise UserInputError(
+      f"model.num_layers = {num_layers} does not split into mesh.pipeline "
+      f"{stages} x train.virtual_stages {virtual_stages} equal chunks"
+    )
+  if virtual_stages > 1 and micro_batches < stages:
+    raise UserInputError(
+      f"train.virtual_stages > 1 needs at least mesh.pipeline = {stages} "
+      f"micro-batches per data-parallel replica, got {micro_batches} "
+      f"(lower train.micro_batch)"
+    )
+
+
+def _model_layer_of_row(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
+  chunk = num_layers // (stages * virtual_stages)
+  rows = np.arange(num_layers)
+  s, rest = np.divmod(rows, virtual_stages * chunk)
+  v, j = np.divmod(rest, chunk)
+  return (v * stages + s) * chunk + j
+
+
+def stage_order(layers: Any, stages: int, virtual_stages: int) -> Any:
+  """Layer-stacked arrays (leading axis L) from model order to the stored stage order."""
+
+  def leaf(x):
+    return x[_model_layer_of_row(x.shape[0], stages, virtual_stages)]
+
+  return jax.tree.map(leaf, layers)
+
+
+def model_order(layers: Any, stages: int, virtual_stages: int) -> Any:
+  """The inverse of `stage_order`."""
+
+  def leaf(x):
+    return x[np.argsort(_model_layer_of_row(x.shape[0], stages, virtual_stages))]
+
+  return jax.tree.map(leaf, layers)
+
+
+def _per_rank(x: jax.Array) -> jax.Array:
+  """Pin the leading axis to the pipeline ranks, the rest as the partitioner likes."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  spec = PartitionSpec(MESH_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def run(
+  run_chunk: Callable[[jax.Array, dict, jax.Array], jax.Array],
+  layers: dict[str, jax.Array],
+  inputs: jax.Array,
+  stages: int,
+  virtual_stages: int,
+) -> jax.Array:
+  """All layers on every micro-batch through the pipeline.
+
+  run_chunk(x, rank_params, rows): the layers `rows` [C] of one rank's stack (leading axis
+  V C) on one micro-batch x [b, ...]; it indexes the stack itself, inside its remat
+  boundary, so that a per-trip slice of the weights is never saved for the backward pass.
+  layers: stacked [L, ...] in stage order, sharded over `pipeline`. inputs
+  [M, b, ...]: the embedded micro-batches. Returns the last layer's outputs [M, b, ...],
+  held by rank 0.
+  """
+  P, V, M = stages, virtual_stages, inputs.shape[0]
+  C = jax.tree.leaves(layers)[0].shape[0] // (P * V)
+  # [L, ...] -> [P, V C, ...]: splits the sharded axis along its blocks, no data moves.
+  chunks = jax.tree.map(lambda x: x.reshape(P, V * C, *x.shape[1:]), layers)
+  rank = jnp.arange(P)
+
+  def one_rank(params, t, s, x):
+    k = t - s
+    v = jnp.clip(k // M, 0, V - 1)
+    return run_chunk(x, params, v * C + jnp.arange(C))
+
+  def trip(carry, t):
+    x, buffer = carry  # [P, b, ...], [P, M, b, ...]
+    y = jax.vmap(one_rank, in_axes=(0, None, 0, 0), spmd_axis_name=MESH_AXIS)(chunks, t, rank, x)
+    y = jnp.roll(y, 1, axis=0)  # rank s's output to rank s + 1
+    # Rank 0 now holds what rank P-1 finished at this trip: keep it for its next chunk
+    # (or as the final output). Before rank P-1's first micro-batch it holds nothing.
+    done, ready = (t - (P - 1)) % M, t >= P - 1
+
+    def keep(buf, received):
+      slot = jnp.where(ready, received, buf[done])
+      buf = jax.lax.dynamic_update_index_in_dim(buf, slot, done, 0)
+      return buf, buf[(t + 1) % M]
+
+    buffer, entering = jax.vmap(keep, spmd_axis_name=MESH_AXIS)(buffer, y)
+    is_first = (rank == 0).reshape(P, *(1,) * (y.ndim - 1))
+    return (_per_rank(jnp.where(is_first, entering, y)), _per_rank(buffer)), None
+
+  buffer = _per_rank(jnp.broadcast_to(inputs, (P, *inputs.shape)))
+  x = _per_rank(buffer[:, 0])
+  with jax.named_scope(PIPELINE_SCOPE):
+    (_, buffer), _ = jax.lax.scan(trip, (x, buffer), jnp.arange(trips(M, P, V)))
+  return buffer[0]

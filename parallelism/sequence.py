@@ -1,0 +1,85 @@
+"""Sequence parallelism's collectives at the boundaries of a tensor-parallel region.
+
+With model.sequence_parallel the residual stream is split along the sequence over
+`tensor` (rules.py `act_seq`). A region's entry (QKV, fc1) needs every token: an
+all-gather along the sequence. Its exit (the attention output projection, fc2) holds
+partial sums over `tensor` that must be summed and split along the sequence: a
+reduce-scatter. Together they move the bytes of the one all-reduce they replace, and
+LayerNorm, biases and residual adds between regions run on 1/tensor of the tokens.
+
+The sharding constraints alone leave each exit an all-reduce and a slice in XLA's CPU
+pipeline (the GPU pipeline has a pass that fuses the two), so the collectives are
+written out here with all_gather / psum_scatter inside a shard_map that is manual over
+`tensor` and automatic over the other axes. Each is the other's transpose, so the
+backward pass gets the mirror image.
+"""
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from parallelism import rules
+
+TENSOR = "tensor"
+SEQUENCE = "act_seq"
+# The pipeline runs each stage under jax.vmap(spmd_axis_name="pipeline"); a shard_map
+# inside it must then treat `pipeline` as manual too (only then: an unused manual axis
+# gets no-op all-reduces over one-device groups in the backward pass).
+PIPELINE = "pipeline"
+
+
+def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
+  return PartitionSpec(
+    *(TENSOR if a and TENSOR in rules.mesh_axes_of(a) else None for a in logical_axes)
+  )
+
+
+def matmul(
+  fn: Callable,
+  spec: str,
+  x: jax.Array,
+  w: jax.Array,
+  x_axes: Sequence[str | None],
+  w_axes: Sequence[str | None],
+  out_axes: Sequence[str | None],
+) -> jax.Array:
+  """fn(spec, x, w) at a tensor-parallel region's boundary, the sequence on axis 1.
+
+  Entry (x_axes[1] is `act_seq`): x is all-gathered along the sequence first. Exit
+  (out_axes[1] is `act_seq`): the partial sums are reduce-scattered along it. Outside a
+  mesh: the plain fn.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(spec, x, w)
+
+  # XLA:CPU (jax 0.10.2) aborts compiling steps with bfloat16 reduce-scatters ("Invalid
+  # binary instruction opcode copy"), so on CPU meshes the collectives carry float32; each
+  # is the other's transpose, so both are cast. GPU targets keep the compute dtype.
+  device = mesh.abstract_device
+  wire = jnp.float32 if device is not None and device.platform == "cpu" else None
+
+  def local(x, w):
+    if x_axes[1] == SEQUENCE:
+      x = jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True).astype(x.dtype)
+    y = fn(spec, x, w)
+    if out_axes[1] == SEQUENCE:
+      y = jax.lax.psum_scatter(
+        y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
+      ).astype(y.dtype)
+    return y
+
+  specs = tuple(_tensor_only(a) for a in (x_axes, w_axes, out_axes))
+  # check_vma=False: FP8's per-tensor scales mix values that vary over different manual
+  # axes (the pipeline's vmap adds one), which the varying-axes check rejects; every
+  # collective here is explicit, so the check has nothing else to catch.
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=specs[:2],
+    out_specs=specs[2],
+    axis_names={TENSOR} | ({PIPELINE} if mesh.shape.get(PIPELINE, 1) > 1 else set()),
+    check_vma=False,
+  )(x, w)

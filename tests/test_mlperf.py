@@ -1,0 +1,242 @@
+"""The MLPerf GPT-3 175B experiment: time-to-train arithmetic, published variants by GPU
+count, the --set parallelism shortcuts, FP8 matmuls at the FP8 rate, and NVL72 replicas
+kept inside racks. No 175B compile here (the calibration runs in
+benchmarks/mlperf_gpt3.py); the FP8 check compiles one small matmul deviceless."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import experiments
+from errors import UserInputError
+from experiments import ExperimentConfig
+from experiments import mlperf_gpt3_175b as mlperf
+from experiments import overrides
+from hardware import catalog
+from model.config import ModelConfig
+from model.gpt import attention
+from parallelism.mesh import MeshConfig
+from projection import cost_model, hlo, layout, project, targets
+from train.config import TrainConfig
+
+_CUDA, _WHY = targets.cuda_available()
+H100 = catalog.get("h100")
+
+
+# ----------------------------------------------------------------------------- time to train
+def test_time_to_train_arithmetic():
+  bench = mlperf.BENCHMARK
+  # GBS 2048: an evaluation every ceil(24576 / 2048) = 12 steps, 288 steps, 24 evaluations.
+  assert (
+    bench.eval_interval_steps(2048),
+    bench.steps_to_converge(2048),
+    bench.evaluations(2048),
+  ) == (12, 288, 24)
+  # Step 10 s; the validation set pads to ceil(5662 / 2048) = 3 batches at a third of the
+  # step's FLOPs: 10 s an evaluation, 2,880 + 240 s in all.
+  est = bench.estimate(10.0, 2048, 1 / 3)
+  assert est["eval_s_each"] == pytest.approx(10.0)
+  assert est["time_to_train_min"] == pytest.approx((2880 + 240) / 60)
+  assert est["tokens_to_converge"] == 288 * 2048 * 2048
+  # GBS 2688 (the 10,752-GPU run): 220 steps = 22 intervals of 10.
+  assert (bench.steps_to_converge(2688), bench.evaluations(2688)) == (220, 22)
+  # Between rows: tokens linear in the batch, steps rounded up to whole intervals of 10.
+  tokens = (bench.tokens_to_converge(2048) + bench.tokens_to_converge(2688)) / 2
+  assert bench.tokens_to_converge(2368) == pytest.approx(tokens)
+  steps = bench.steps_to_converge(2368)
+  assert steps % 11 == 0 and 0 <= steps * 2368 * 2048 - tokens < 11 * 2368 * 2048
+  with pytest.raises(UserInputError, match="global batches 1536-6144 only"):
+    bench.steps_to_converge(1024)
+
+
+def test_published_configurations_are_the_default_for_their_gpu_counts():
+  exp = experiments.load("mlperf_gpt3_175b")
+  big = experiments.at_gpus(exp, 10752)
+  assert (big.train.global_batch, big.train.micro_batch, big.mesh.tensor) == (2688, 1, 4)
+  assert big.train.lr_warmup_steps == 152 and big.train.lr_decay_steps == 62058
+  small = experiments.at_gpus(exp, 512)
+  assert (small.train.global_batch, small.train.micro_batch) == (2048, 2)
+  assert experiments.at_gpus(exp, 1024) is exp
+  assert mlperf.learning_rate(2048) == 2e-5 and mlperf.learning_rate(4096) == 3e-5
+  assert (exp.model.num_layers, exp.model.d_model, exp.model.seq_len, exp.model.vocab_size) == (
+    96,
+    12288,
+    2048,
+    50257,
+  )
+
+
+# ----------------------------------------------------------------------------- overrides
+def test_parallelism_shortcuts_set_the_real_fields():
+  exp = experiments.load("mlperf_gpt3_175b")
+  assert exp.model.fp8 and exp.mesh.pipeline == 8
+  got = overrides.apply(
+    exp,
+    [
+      "variant=eos_10752",
+      "tensor_parallel=8",
+      "pipeline_parallel=4",
+      "virtual_stages=3",
+      "micro_batch=4",
+      "global_batch=3072",
+      "precision=bf16",
+      "remat=full",
+    ],
+  )
+  assert (got.mesh.tensor, got.mesh.pipeline, got.train.virtual_stages) == (8, 4, 3)
+  assert (got.train.micro_batch, got.train.global_batch) == (4, 3072)
+  assert (got.model.fp8, got.model.remat) == (False, "full")
+  assert got.variants == exp.variants  # a variant keeps its siblings selectable
+
+
+@pytest.mark.parametrize(
+  "assignment, message",
+  [
+    ("tensor_parallel=0", "--set tensor_parallel: expected a positive whole number, got '0'"),
+    ("micro_batch=two", "--set micro_batch: expected a positive whole number, got 'two'"),
+    ("precision=fp16", "--set precision: expected one of bf16, fp8, got 'fp16'"),
+    ("remat=some", "--set remat: expected one of none, full, save_dots, got 'some'"),
+    ("variant=eos_1", "--set variant: mlperf_gpt3_175b has variants eos_10752, eos_512"),
+  ],
+)
+def test_bad_shortcut_values_name_the_key_and_what_is_allowed(assignment, message):
+  with pytest.raises(UserInputError) as e:
+    overrides.apply(experiments.load("mlperf_gpt3_175b"), [assignment])
+  assert message in str(e.value)
+
+
+# ----------------------------------------------------------------------------- FP8
+def test_cublaslt_fp8_gemm_is_costed_at_the_fp8_rate():
+  # cuBLASLt's FP8 gemm as XLA GPU emits it on Hopper: f8 operands, f32 scales.
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f8e4m3fn[4096,4096], b: f8e4m3fn[4096,4096], s: f32[]) -> bf16[4096,4096] {
+  %a = f8e4m3fn[4096,4096]{1,0} parameter(0)
+  %b = f8e4m3fn[4096,4096]{1,0} parameter(1)
+  %s = f32[] parameter(2)
+  %g = (bf16[4096,4096]{1,0}, s8[33554432]{0}) custom-call(%a, %b, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  ROOT %r = bf16[4096,4096]{1,0} get-tuple-element(%g), index=0
+}
+"""
+  program = hlo.analyze(text)
+  (gemm,) = program.entry
+  assert gemm.dot_dtype == "f8e4m3fn" and gemm.dot_flops == 2 * 4096**3
+  assert hlo.uses_fp8(program)
+  assert cost_model.op_time_s(gemm, H100) == pytest.approx(2 * 4096**3 / 1403e12)
+
+
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_fp8_dot_compiled_for_h100_runs_at_the_fp8_rate():
+  mesh = Mesh(np.array(targets.target_devices("h100", 1, 1)), ("x",))
+  spec = NamedSharding(mesh, PartitionSpec())
+  x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=spec)
+  scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=spec)
+
+  def fp8_matmul(a, b, sa, sb):
+    a8, b8 = (a / sa).astype(jnp.float8_e4m3fn), (b / sb).astype(jnp.float8_e5m2)
+    return jnp.dot(a8, b8, preferred_element_type=jnp.bfloat16) * (sa * sb).astype(jnp.bfloat16)
+
+  def bf16_matmul(a, b, sa, sb):
+    return jnp.dot(a, b, preferred_element_type=jnp.bfloat16)
+
+  times = {}
+  for fn in (fp8_matmul, bf16_matmul):
+    program = hlo.analyze(jax.jit(fn).trace(x, x, scale, scale).lower().compile().as_text())
+    (dot,) = [n for n, _ in hlo.walk(program) if isinstance(n, hlo.Compute) and n.dot_flops]
+    assert dot.dot_flops == 2 * 4096**3
+    assert hlo.uses_fp8(program) == (fn is fp8_matmul)
+    times[fn.__name__] = cost_model.op_time_s(dot, H100)
+  # The FP8 gemm fusion also scales and converts its inputs (vector work): within 1%.
+  assert times["fp8_matmul"] == pytest.approx(2 * 4096**3 / 1403e12, rel=0.01)
+  assert times["bf16_matmul"] == pytest.approx(2 * 4096**3 / 794e12)
+
+
+# ----------------------------------------------------------------------------- NVL72 racks
+def test_nvl72_replicas_are_rack_aligned():
+  gpt3 = experiments.load("gpt3")  # fsdp 8 x tensor 8: 64-GPU replicas
+  gb200 = catalog.get("gb200")
+  reduced = project.plan(gpt3, gb200, 512)
+  assert reduced.target.nvlink_domain == 64  # 16 of each rack's 18 trays
+  fsdp_groups = tuple(tuple(range(t, 64, 8)) for t in range(8))
+  placements = layout.target_group_domains(fsdp_groups, reduced)
+  assert all(len(set(domains)) == 1 for domains in placements)
+  # Tensor 4 or 8 alone tiles a whole rack.
+  tp8 = dataclasses.replace(gpt3, mesh=dataclasses.replace(gpt3.mesh, fsdp=1))
+  assert project.plan(tp8, gb200, 768).target.nvlink_domain == 72
+  assert project.plan(gpt3, H100, 512).target.nvlink_domain == 8
+
+
+# ----------------------------------------------------------------------------- attention
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_cudnn_flash_attention_compiles_deviceless_and_counts_its_matmuls():
+  B, T, H, K = 2, 2048, 24, 128
+  mesh = Mesh(np.array(targets.target_devices("h100", 1, 1)), ("x",))
+  x = jax.ShapeDtypeStruct(
+    (B, T, H, K), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec())
+  )
+  loss = lambda q, k, v: attention(q, k, v, "cudnn").astype(jnp.float32).sum()
+  with targets.cudnn_version_of("h100"):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower()
+  program = hlo.analyze(lowered.compile().as_text())
+  calls = [n for n, _ in hlo.walk(program) if isinstance(n, hlo.Compute) and "fmha" in n.kind]
+  # Causal: half of the T x T square; forward Q.K^T and P.V, backward five matmuls.
+  square = B * H * T * T * K
+  flops = {n.kind: n.dot_flops for n in calls}
+  assert flops == {
+    "__cudnn$fmhaSoftmax": 2 * 2 * square / 2,
+    "__cudnn$fmhaSoftmaxBackward": 5 * 2 * square / 2,
+  }
+  assert all(n.dot_dtype == "bf16" for n in calls)
+  # No [B, H, T, T] scores through HBM: every op moves less than one score tensor.
+  assert (
+    max(n.bytes_read + n.bytes_written for n, _ in hlo.walk(program) if isinstance(n, hlo.Compute))
+    < B * H * T * T * 2
+  )
+
+
+# ----------------------------------------------------------------------------- pipeline bubble
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
+  # 2 stages x 2 virtual stages, 4 micro-batches per replica: 4 x 2 + 2 - 1 = 9 trips of
+  # each pipeline loop (forward and backward), 1 of them idle.
+  exp = ExperimentConfig(
+    name="pp",
+    description="pipeline bubble",
+    model=ModelConfig(
+      name="pp",
+      num_layers=4,
+      d_model=128,
+      num_heads=2,
+      head_dim=64,
+      seq_len=128,
+      vocab_size=256,
+      compute_dtype="bfloat16",
+    ),
+    mesh=MeshConfig(data=-1, pipeline=2),
+    train=TrainConfig(
+      global_batch=16, micro_batch=1, pipeline_schedule="interleaved", virtual_stages=2
+    ),
+  )
+  record = project.project(exp, "h100", 8)
+  assert (record["micro_batches"], record["compiled_micro_batches"]) == (4, 4)
+  reduced = project.plan(exp, H100, 8)
+  train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
+  program = project.compile_step(
+    exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8
+  ).program
+  timer = project.collective_timer(reduced, H100)
+  loops = [program.entry[i] for i in project.pipeline_loops(program)]
+  assert [loop.trip_count for loop in loops] == [9, 9]
+  loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop in loops)
+  bubble = record["breakdown"]["bubble_s"]
+  assert bubble > 0 and bubble == pytest.approx(loops_s / 9)  # (P-1) / (M V + P - 1)
+  # 8 micro-batches: 8 more busy trips per loop, the same one idle.
+  eight = project.with_micro_batches(program, 4, 8, virtual_stages=2)
+  assert [eight.entry[i].trip_count for i in project.pipeline_loops(eight)] == [17, 17]
+  assert project.bubble_s(eight, H100, timer, 8, 2, 2) == pytest.approx(bubble)
+  with pytest.raises(RuntimeError, match="not the 8 x 2 \\+ 2 - 1 of the schedule"):
+    project.bubble_s(program, H100, timer, 8, 2, 2)

@@ -1,0 +1,187 @@
+"""Pipeline and sequence parallelism against the one-device step; FP8 against bf16."""
+
+import collections
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from errors import UserInputError
+from model.config import ModelConfig
+from model.gpt import GPT
+from parallelism import pipeline
+from parallelism.mesh import MeshConfig, build_mesh, plan
+from train import data
+from train import step as train_step
+from train.config import TrainConfig
+
+MODEL = ModelConfig(
+  num_layers=4, d_model=32, num_heads=4, head_dim=8, seq_len=16, vocab_size=128, remat="full"
+)
+TRAIN = TrainConfig(
+  global_batch=8, steps=2, warmup_steps=0, task="learnable", learning_rate=1e-2, lr_warmup_steps=1
+)
+# float32 throughout; sharded reductions sum in a different order than one device.
+RTOL, ATOL = 2e-4, 2e-5
+_COLLECTIVE = re.compile(r" (all-reduce|all-gather|reduce-scatter|collective-permute)(?:-start)?\(")
+
+
+def _program(mesh_cfg: MeshConfig, devices: int, model=MODEL, train=TRAIN):
+  return train_step.build(
+    model, train, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
+  )
+
+
+def _train(program, steps: int = 2):
+  """Losses, final parameters and the compiled step's collectives (one compile)."""
+  compiled = program.lower(TRAIN.global_batch, MODEL.seq_len).compile()
+  state, losses = program.init(), []
+  for i in range(steps):
+    batch = data.batch(
+      TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, MODEL.seq_len, MODEL.vocab_size
+    )
+    state, metrics = compiled(state, jax.device_put(batch, program.batch_sharding))
+    losses.append(float(metrics["loss"]))
+  return losses, jax.tree.map(np.asarray, state.params), _collectives(compiled.as_text())
+
+
+def _assert_same(run, reference):
+  (losses, params, _), (losses_1, params_1, _) = run, reference
+  np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def _collectives(hlo_text: str) -> collections.Counter:
+  return collections.Counter(_COLLECTIVE.findall(hlo_text))
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  return _train(_program(MeshConfig(data=1), 1))
+
+
+@pytest.mark.parametrize(
+  "mesh_cfg, schedule, virtual, micro_batch, sequence_parallel",
+  [
+    (MeshConfig(data=1, tensor=2, pipeline=4), "gpipe", 1, 0, True),
+    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, False),
+  ],
+  ids=["gpipe-pipeline4-tensor2-sequence-parallel", "interleaved-pipeline2-data2-tensor2"],
+)
+def test_pipelined_step_matches_one_device(
+  mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, single_device
+):
+  train = dataclasses.replace(
+    TRAIN, pipeline_schedule=schedule, virtual_stages=virtual, micro_batch=micro_batch
+  )
+  model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel)
+  program = _program(mesh_cfg, 8, model=model, train=train)
+  losses, params, collectives = _train(program)
+  params["layers"] = pipeline.model_order(params["layers"], mesh_cfg.pipeline, virtual)
+  _assert_same((losses, params, collectives), single_device)
+  # The stages hand activations on with collective permutes; the layer stack stays put.
+  assert collectives["collective-permute"] >= 2
+  if not sequence_parallel:
+    assert collectives["all-gather"] == 0
+  assert program.abstract_state.params["layers"]["fc1_kernel"].sharding.spec[0] == "pipeline"
+
+
+def test_stage_order_is_a_permutation_of_chunks():
+  rows = pipeline.stage_order(np.arange(8), stages=2, virtual_stages=2)
+  # Rank 0 holds chunks 0 and 2 (layers 0-1, 4-5), rank 1 chunks 1 and 3.
+  assert rows.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+  assert pipeline.model_order(rows, 2, 2).tolist() == list(range(8))
+  assert pipeline.trips(micro_batches=4, stages=2, virtual_stages=2) == 9
+  assert pipeline.bubble_fraction(4, 2, 2) == pytest.approx(1 / 9)
+
+
+def test_sequence_parallel_swaps_all_reduce_for_reduce_scatter():
+  # Numerics: the sequence-parallel pipelined case above.
+  def collectives(sequence_parallel: bool) -> collections.Counter:
+    model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel)
+    program = _program(MeshConfig(data=2, tensor=4), 8, model=model)
+    return _collectives(program.lower(TRAIN.global_batch, MODEL.seq_len).compile().as_text())
+
+  with_sp, without = collectives(True), collectives(False)
+  # Each layer's two region exits reduce-scatter forward (and the entries backward).
+  assert with_sp["reduce-scatter"] >= 2 and with_sp["all-gather"] >= 2
+  assert without["reduce-scatter"] == 0
+  assert with_sp["all-reduce"] < without["all-reduce"], (with_sp, without)
+
+
+def test_fp8_matches_bf16_within_quantisation_error():
+  bf16 = dataclasses.replace(MODEL, num_layers=2, compute_dtype="bfloat16", remat="none")
+  fp8 = dataclasses.replace(bf16, fp8=True)
+  batch = data.batch("learnable", 0, 0, 8, MODEL.seq_len, MODEL.vocab_size)
+  params = jax.jit(lambda: nnx.state(GPT(bf16, nnx.Rngs(0)), nnx.Param))()
+
+  def loss_and_grads(model_cfg: ModelConfig):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0))))
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(batch["inputs"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    return jax.value_and_grad(loss)(params)
+
+  # One compile for both (compiles dominate this test's time).
+  compiled = jax.jit(lambda: (loss_and_grads(bf16), loss_and_grads(fp8))).lower().compile()
+  (loss_16, grads_16), (loss_8, grads_8) = compiled()
+  text = compiled.as_text()
+  assert "f8e4m3fn" in text and "f8e5m2" in text
+  # E4M3 keeps 3 mantissa bits: each operand element is off by up to 2^-4 relative,
+  # and a dot product of n such terms averages that down; the loss moves by well under
+  # 1%. Gradients pass through E5M2 (2 bits, up to 2^-3 per element) as well, so each
+  # weight gradient tensor is compared by relative norm error, bounded at 15%; a wrong
+  # scale or a dropped gradient term would be off by O(1).
+  assert abs(float(loss_8) / float(loss_16) - 1) < 0.01, (loss_8, loss_16)
+  for name in ("qkv_kernel", "out_kernel", "fc1_kernel", "fc2_kernel"):
+    g8, g16 = (np.asarray(g["layers"][name][...], np.float32) for g in (grads_8, grads_16))
+    error = np.linalg.norm(g8 - g16) / np.linalg.norm(g16)
+    assert error < 0.15, (name, error)
+
+
+@pytest.mark.parametrize(
+  "mesh_cfg, train, message",
+  [
+    (
+      MeshConfig(data=2, tensor=1, pipeline=4),
+      dataclasses.replace(TRAIN, virtual_stages=2),
+      "train.virtual_stages must be 1 with the gpipe schedule",
+    ),
+    (
+      MeshConfig(data=1, tensor=1, pipeline=8),
+      TRAIN,
+      "model.num_layers = 4 does not split into mesh.pipeline 8 x train.virtual_stages 1",
+    ),
+    (
+      MeshConfig(data=4, tensor=1, pipeline=2),
+      dataclasses.replace(TRAIN, pipeline_schedule="interleaved", virtual_stages=2),
+      "needs at least mesh.pipeline = 2 micro-batches",
+    ),
+    (
+      MeshConfig(data=2, pipeline=4),
+      dataclasses.replace(TRAIN, pipeline_schedule="interleaved"),
+      "train.virtual_stages must be at least 2 with the interleaved schedule",
+    ),
+    (
+      MeshConfig(data=2, pipeline=4),
+      dataclasses.replace(TRAIN, pipeline_schedule="1f1b"),
+      "train.pipeline_schedule must be one of gpipe, interleaved",
+    ),
+  ],
+)
+def test_bad_pipeline_settings_are_refused(mesh_cfg, train, message):
+  with pytest.raises(UserInputError, match=message):
+    _program(mesh_cfg, 8, train=train)
+
+
+def test_pipeline_axis_crosses_infiniband_first():
+  layout = plan(MeshConfig(data=2, tensor=2, pipeline=2), 8)
+  assert layout.nvlink == {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 1}
+  assert layout.infiniband["pipeline"] == 2
