@@ -175,13 +175,6 @@ def _step_hooks(exp: experiments.ExperimentConfig, mode: str, devices: int, peak
   return hooks
 
 
-def _run_measured(exp: experiments.ExperimentConfig, mode: str,
-                  num_devices: int | None = None) -> dict | None:
-  profile = None
-  if _PROFILE_STEPS.value:
-    profile = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
-                                            exp.train.warmup_steps + exp.train.steps)
-  devices = _devices(num_devices)
 def _pipeline_record(exp: experiments.ExperimentConfig, stages: int, micro_batches: int) -> dict:
   """The pipeline schedule's shape, printed and recorded when there is one."""
   if stages == 1:
