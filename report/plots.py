@@ -198,7 +198,7 @@ def step_breakdown(records: list[dict], path: str) -> str | None:
   fig, axes = plt.subplots(
     rows, columns, figsize=(4.5 * columns, 3.6 * rows), squeeze=False, sharey=True
   )
-  parts = [p for p in _PARTS if any(p[0] in r["breakdown"] for r in ok)]
+  parts = [p for p in _PARTS if any(r["breakdown"].get(p[0], 0) > 0 for r in ok)]
   for ax, name in zip(axes.flat, hardware):
     rs = sorted((r for r in ok if r["hardware"] == name), key=lambda r: r["devices"])
     x = range(len(rs))
