@@ -85,9 +85,11 @@ def block(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   """One pre-LN transformer block. x: [B, T, D]; p: one layer's parameters."""
   x = constrain(x, ("batch", "length", "act_embed"))
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-  qkv = jnp.einsum("btd,dchk->cbthk", h, p["qkv_kernel"]) + p["qkv_bias"][:, None, None]
-  qkv = constrain(qkv, ("qkv", "batch", "length", "act_heads", None))  # [3, B, T, H, K]
-  a = attention(qkv[0], qkv[1], qkv[2])
+  # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
+  # made XLA:CPU transpose the kernel and the activations in every layer.
+  qkv = jnp.einsum("btd,dchk->btchk", h, p["qkv_kernel"]) + p["qkv_bias"]
+  qkv = constrain(qkv, ("batch", "length", "qkv", "act_heads", None))  # [B, T, 3, H, K]
+  a = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
   x = x + jnp.einsum("bthk,hkd->btd", a, p["out_kernel"]) + p["out_bias"]
   h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
   h = jnp.einsum("btd,df->btf", h, p["fc1_kernel"]) + p["fc1_bias"]
