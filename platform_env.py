@@ -7,6 +7,7 @@ those lines are swallowed unless the start fails, when they are replayed.
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import re
@@ -71,6 +72,25 @@ def _captured_stderr():
       os.close(saved)
 
 
+def keep_freed_memory() -> None:
+  """Make glibc's malloc keep freed memory for reuse instead of handing it back to the OS.
+
+  XLA:CPU allocates a step's temporaries with malloc. By default blocks above the mmap
+  threshold are mapped and unmapped on every step, so each step faults in fresh zeroed
+  pages: about 430,000 page faults and 1.1 s of kernel time per cpu_gpt2_small step on
+  this repo's 2-core host, 5% of its CPU time and up to 10% of its wall time. One arena,
+  no mmap and no trimming serve them from the heap instead; the process keeps its peak
+  memory, as GPU allocators do.
+  """
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+  except OSError:
+    return  # not glibc: nothing to tune
+  m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8  # glibc's malloc.h
+  for option, value in ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, -1)):
+    libc.mallopt(option, value)
+
+
 def launched_as_multiprocess() -> bool:
   """Started by srun or mpirun with more than one task: JAX's runtime must join them."""
   for variable in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
@@ -130,6 +150,7 @@ def configure(
       os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
       )
+    keep_freed_memory()
   quiet = _captured_stderr() if not gpu else contextlib.nullcontext()
   with quiet:
     import jax  # pylint: disable=import-outside-toplevel

@@ -110,13 +110,16 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
   x = constrain(x, residual)
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-  qkv_axes = ("qkv", "batch", "length", "act_heads", None)  # [3, B, T, H, K]
-  qkv = tensor_parallel("btd,dchk->cbthk", h, p["qkv_kernel"], residual,
+  # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
+  # made XLA:CPU transpose the kernel and the activations in every layer.
+  qkv_axes = ("batch", "length", "qkv", "act_heads", None)
+  qkv = tensor_parallel("btd,dchk->btchk", h, p["qkv_kernel"], residual,
                         ("embed", "qkv", "heads", "kv"), qkv_axes)
-  qkv = constrain(qkv + p["qkv_bias"][:, None, None], qkv_axes)
-  a = attention(qkv[0], qkv[1], qkv[2], cfg.attention)
-  x = x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"], qkv_axes[1:],
-                          ("heads", "kv", "embed"), residual) + p["out_bias"]
+  qkv = constrain(qkv + p["qkv_bias"], qkv_axes)
+  a = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], cfg.attention)
+  x = x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"],
+                          ("batch", "length", "act_heads", None), ("heads", "kv", "embed"),
+                          residual) + p["out_bias"]
   h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
   mlp_axes = ("batch", "length", "act_mlp")
   h = tensor_parallel("btd,df->btf", h, p["fc1_kernel"], residual, ("embed", "mlp"), mlp_axes)
