@@ -36,11 +36,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from errors import UserInputError
+from parallelism import rules
 
-# Name scope of the pipeline loop, in the optimized HLO as the while ops' op_name
-# (".../pipeline/while" forward and its transpose backward); each trip as documented above.
+# Name scope of the pipeline loop. In the optimized HLO the forward loop is the while op
+# whose op_name ends "jvp(vmap(pipeline))/while" and the backward loop the one ending
+# "transpose(jvp(vmap(pipeline)))/while" (the vmap is over data-parallel replicas), each
+# with known_trip_count = trips(); one trip as documented above.
 PIPELINE_SCOPE = "pipeline"
 MESH_AXIS = "pipeline"
+DATA_AXIS = "data"
 
 
 def trips(micro_batches: int, stages: int, virtual_stages: int) -> int:
@@ -94,12 +98,19 @@ def model_order(layers: Any, stages: int, virtual_stages: int) -> Any:
   return jax.tree.map(leaf, layers)
 
 
-def _per_rank(x: jax.Array) -> jax.Array:
-  """Pin the leading axis to the pipeline ranks, the rest as the partitioner likes."""
+def _mesh_size(axis: str) -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else mesh.shape.get(axis, 1)
+
+
+def _pin(x: jax.Array, *leading: str) -> jax.Array:
+  """Pin the leading axes to mesh axes (default: the pipeline ranks), the rest as the
+  partitioner likes."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  spec = PartitionSpec(MESH_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
+  leading = leading or (MESH_AXIS,)
+  spec = PartitionSpec(*leading, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - len(leading)))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -130,25 +141,37 @@ def run(
     v = jnp.clip(k // M, 0, V - 1)
     return run_chunk(x, params, v * C + jnp.arange(C))
 
-  def trip(carry, t):
-    x, buffer = carry  # [P, b, ...], [P, M, b, ...]
-    y = jax.vmap(one_rank, in_axes=(0, None, 0, 0), spmd_axis_name=MESH_AXIS)(chunks, t, rank, x)
-    y = jnp.roll(y, 1, axis=0)  # rank s's output to rank s + 1
-    # Rank 0 now holds what rank P-1 finished at this trip: keep it for its next chunk
-    # (or as the final output). Before rank P-1's first micro-batch it holds nothing.
-    done, ready = (t - (P - 1)) % M, t >= P - 1
+  def one_replica(chunks, inputs):
+    def trip(carry, t):
+      x, buffer = carry  # [P, b, ...], [P, M, b, ...]
+      y = jax.vmap(one_rank, in_axes=(0, None, 0, 0), spmd_axis_name=MESH_AXIS)(chunks, t, rank, x)
+      y = jnp.roll(y, 1, axis=0)  # rank s's output to rank s + 1
+      # Rank 0 now holds what rank P-1 finished at this trip: keep it for its next chunk
+      # (or as the final output). Before rank P-1's first micro-batch it holds nothing.
+      done, ready = (t - (P - 1)) % M, t >= P - 1
 
-    def keep(buf, received):
-      slot = jnp.where(ready, received, buf[done])
-      buf = jax.lax.dynamic_update_index_in_dim(buf, slot, done, 0)
-      return buf, buf[(t + 1) % M]
+      def keep(buf, received):
+        slot = jnp.where(ready, received, buf[done])
+        buf = jax.lax.dynamic_update_index_in_dim(buf, slot, done, 0)
+        return buf, buf[(t + 1) % M]
 
-    buffer, entering = jax.vmap(keep, spmd_axis_name=MESH_AXIS)(buffer, y)
-    is_first = (rank == 0).reshape(P, *(1,) * (y.ndim - 1))
-    return (_per_rank(jnp.where(is_first, entering, y)), _per_rank(buffer)), None
+      buffer, entering = jax.vmap(keep, spmd_axis_name=MESH_AXIS)(buffer, y)
+      is_first = (rank == 0).reshape(P, *(1,) * (y.ndim - 1))
+      return (_pin(jnp.where(is_first, entering, y)), _pin(buffer)), None
 
-  buffer = _per_rank(jnp.broadcast_to(inputs, (P, *inputs.shape)))
-  x = _per_rank(buffer[:, 0])
-  with jax.named_scope(PIPELINE_SCOPE):
-    (_, buffer), _ = jax.lax.scan(trip, (x, buffer), jnp.arange(trips(M, P, V)))
-  return buffer[0]
+    buffer = _pin(jnp.broadcast_to(inputs, (P, *inputs.shape)))
+    x = _pin(buffer[:, 0])
+    with jax.named_scope(PIPELINE_SCOPE):
+      (_, buffer), _ = jax.lax.scan(trip, (x, buffer), jnp.arange(trips(M, P, V)))
+    return buffer[0]
+
+  # Each data-parallel replica runs the loop on its own copy of the weights (a broadcast
+  # along `data`, no data moves), so the backward loop accumulates each replica's weight
+  # gradients locally, and the broadcast's transpose - one reduction over `data` - runs
+  # once after the loop instead of once per trip.
+  R = _mesh_size(DATA_AXIS)
+  split = lambda x: jnp.moveaxis(x.reshape(M, R, -1, *x.shape[2:]), 1, 0)  # [R, M, b/R, ...]
+  replicas = jax.tree.map(lambda x: _pin(jnp.broadcast_to(x, (R, *x.shape)), DATA_AXIS), chunks)
+  with rules.vmapped(DATA_AXIS, MESH_AXIS):
+    out = jax.vmap(one_replica, spmd_axis_name=DATA_AXIS)(replicas, _pin(split(inputs), DATA_AXIS))
+  return jnp.moveaxis(out, 0, 1).reshape(inputs.shape)

@@ -5,7 +5,9 @@ rules decide which mesh axes shard it. Changing a parallelism strategy means cha
 this table, not the model.
 """
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -37,11 +39,15 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
 )
 
 _RULES = dict(RULES)
+_VMAPPED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("vmapped", default=frozenset())
 
 
 def spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
   """PartitionSpec for a tuple of logical axis names."""
-  return PartitionSpec(*(None if name is None else _RULES[name] for name in logical_axes))
+  def part(name):
+    axes = mesh_axes_of(name) if name else ()
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return PartitionSpec(*(part(name) for name in logical_axes))
 
 
 def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
@@ -49,7 +55,24 @@ def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
   axes = _RULES[logical_axis]
   if axes is None:
     return ()
-  return (axes,) if isinstance(axes, str) else axes
+  axes = (axes,) if isinstance(axes, str) else axes
+  return tuple(a for a in axes if a not in _VMAPPED.get())
+
+
+@contextlib.contextmanager
+def vmapped(*mesh_axes: str) -> Iterator[None]:
+  """The rules without `mesh_axes` while tracing code that jax.vmap maps over them
+  (spmd_axis_name puts each on the mapped dimension, and a mesh axis cannot shard two
+  dimensions of one array)."""
+  token = _VMAPPED.set(_VMAPPED.get() | frozenset(mesh_axes))
+  try:
+    yield
+  finally:
+    _VMAPPED.reset(token)
+
+
+def vmapped_axes() -> frozenset[str]:
+  return _VMAPPED.get()
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

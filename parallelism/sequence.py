@@ -24,10 +24,6 @@ from parallelism import rules
 
 TENSOR = "tensor"
 SEQUENCE = "act_seq"
-# The pipeline runs each stage under jax.vmap(spmd_axis_name="pipeline"); a shard_map
-# inside it must then treat `pipeline` as manual too (only then: an unused manual axis
-# gets no-op all-reduces over one-device groups in the backward pass).
-PIPELINE = "pipeline"
 
 
 def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -72,6 +68,9 @@ def matmul(
     return y
 
   specs = tuple(_tensor_only(a) for a in (x_axes, w_axes, out_axes))
+  # Under the pipeline's vmaps (spmd_axis_name `pipeline` and `data`) those axes must be
+  # manual here too; elsewhere they stay automatic (an unused manual axis would get
+  # no-op all-reduces over one-device groups in the backward pass).
   # check_vma=False: FP8's per-tensor scales mix values that vary over different manual
   # axes (the pipeline's vmap adds one), which the varying-axes check rejects; every
   # collective here is explicit, so the check has nothing else to catch.
@@ -80,6 +79,6 @@ def matmul(
     mesh=mesh,
     in_specs=specs[:2],
     out_specs=specs[2],
-    axis_names={TENSOR} | ({PIPELINE} if mesh.shape.get(PIPELINE, 1) > 1 else set()),
+    axis_names={TENSOR} | rules.vmapped_axes(),
     check_vma=False,
   )(x, w)
