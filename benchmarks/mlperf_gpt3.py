@@ -12,9 +12,9 @@
 
 A projection that does not fit in HBM is untimed (projection/project.py). To show where
 its time would go, this script also times every point as if capacity were unlimited
-("if it fit"), and splits the communication by mesh axis; and, as a what-if on the
-program (not a projection of it), the step with the data-parallel gradient all-reduce
-once per step instead of inside the pipeline loops, where the compiled program has it.
+("if it fit"), splits its compute into FLOP-bound and memory-bound time and its exposed
+communication by mesh axis, and names the memory-bound work of the pipeline loops that
+the published runs do not have (see `overheads`).
 
 One deviceless compile of the 175B step per (configuration, generation): 45-80 s each
 on this loaded 2-core machine; the whole run takes 10-20 minutes.
@@ -22,11 +22,9 @@ on this loaded 2-core machine; the whole run takes 10-20 minutes.
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
-from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -39,9 +37,7 @@ platform_env.configure(host_devices=8)
 
 import experiments  # noqa: E402
 from experiments import overrides  # noqa: E402
-from model.flops import param_count  # noqa: E402
-from parallelism.mesh import AXES  # noqa: E402
-from projection import cost_model, hlo, layout, project  # noqa: E402
+from projection import cost_model, hlo, project  # noqa: E402
 from report import table  # noqa: E402
 
 # mlperf-gpt3.md "Calibration points": (variant, GPUs, published minutes).
@@ -49,27 +45,49 @@ CALIBRATION = (("eos_10752", 10752, 3.92), ("eos_512", 512, 49.80))
 GENERATIONS = ("h100", "h200", "b200", "gb200", "gb300")
 
 
-def _axes_of(node: hlo.Collective, reduced: layout.ReducedMesh) -> str:
-  """The mesh axes a collective's groups run along ("data", "tensor", "pipeline", ...)."""
-  shape = [reduced.sizes[a] for a in AXES]
-  if node.kind == "collective-permute":
-    return "pipeline" if reduced.sizes.get("pipeline", 1) > 1 else "?"
-  group = node.groups[0]
-  coords = [divmod_all(p, shape) for p in group]
-  return "+".join(a for i, a in enumerate(AXES) if len({c[i] for c in coords}) > 1) or "none"
+# Memory-bound work in the pipeline loops that the published runs (Megatron-LM /
+# Transformer Engine) do not do per trip, told apart by the op_name JAX gives each op:
+#   stack_grads   the backward loop adds each trip's weight gradient into the stage's
+#                 whole [V C, ...] gradient buffer, from a zeroed buffer of the same size
+#                 (add_any / broadcast_in_dim at the top of the loop body);
+#   trip_copies   whole-buffer copies at the top of a loop body (layout changes of the
+#                 zeroed gradient buffer and of the micro-batch buffer);
+#   fp8_casts     FP8 conversions and amax reductions, of weights and activations, on every
+#                 trip (Transformer Engine casts weights once a step and fuses the
+#                 activations' casts into the op before).
+OVERHEADS = ("stack_grads", "trip_copies", "fp8_casts")
 
 
-def divmod_all(index: int, shape: list[int]) -> tuple[int, ...]:
-  out = []
-  for size in reversed(shape):
-    index, r = divmod(index, size)
-    out.append(r)
-  return tuple(reversed(out))
+def _overhead(node: hlo.Compute, top_of_body: bool) -> str | None:
+  if node.dot_flops:
+    return None
+  if top_of_body and node.op_name.endswith(("/add_any", "/broadcast_in_dim")):
+    return "stack_grads"
+  if top_of_body and node.opcode == "copy":
+    return "trip_copies"
+  if node.op_name.endswith(("/convert_element_type", "/reduce_max")):
+    return "fp8_casts"
+  return None
+
+
+def overheads(program: hlo.Program, hw) -> dict[str, float]:
+  """Seconds per step of each OVERHEADS class in the pipeline loops."""
+  out = dict.fromkeys(OVERHEADS, 0.0)
+
+  def visit(nodes, times: int, top: bool) -> None:
+    for node in nodes:
+      if isinstance(node, hlo.Loop):
+        visit(node.body, times * node.trip_count, False)
+      elif isinstance(node, hlo.Compute) and (kind := _overhead(node, top)):
+        out[kind] += times * cost_model.op_time_s(node, hw)
+
+  for i in project.pipeline_loops(program):
+    visit(program.entry[i].body, program.entry[i].trip_count, True)
+  return out
 
 
 def analyse(exp, hw_name: str, gpus: int) -> dict:
-  """The projection record, plus its timing if it fit, communication by axis and the
-  what-if with one data-parallel gradient all-reduce a step."""
+  """The projection record, and its timing and pipeline-loop overheads as if it fit."""
   start = time.perf_counter()
   record = project.project(exp, hw_name, gpus)
   hw = project.hardware(hw_name, gpus)
@@ -84,36 +102,10 @@ def analyse(exp, hw_name: str, gpus: int) -> dict:
   program = project.with_micro_batches(
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual
   )
-  timer = project.collective_timer(reduced, hw)
-  by_axis: dict[str, float] = defaultdict(float)
-  for node, times in hlo.collectives(program):
-    by_axis[f"{node.kind} {_axes_of(node, reduced)}"] += times * timer(node)
-
-  # What-if: data-axis all-reduces inside the pipeline loops cost nothing, and one
-  # all-reduce of every gradient (f32, as compiled) runs once, exposed, at the end.
-  in_loops = {
-    n.name
-    for i in project.pipeline_loops(program)
-    for n, _ in hlo.walk(program.entry[i].body)
-    if isinstance(n, hlo.Collective)
-  }
-  data_ars = [
-    n
-    for n, _ in hlo.collectives(program)
-    if n.name in in_loops and n.kind == "all-reduce" and _axes_of(n, reduced) == "data"
-  ]
-  what_if = None
-  if data_ars:
-    model_parallel = math.prod(v for a, v in reduced.sizes.items() if a != "data")
-    grads = dataclasses.replace(data_ars[0], bytes=4 * param_count(exp.model) // model_parallel)
-    hoisted = {n.name for n in data_ars}
-    once = cost_model.simulate(program.entry, hw, lambda n: 0.0 if n.name in hoisted else timer(n))
-    what_if = once.step_s + timer(grads)
   return {
     "record": record,
     "if_fit": if_fit,
-    "by_axis": dict(by_axis),
-    "what_if_step_s": what_if,
+    "overheads": overheads(program, hw),
     "seconds": time.perf_counter() - start,
   }
 
@@ -126,15 +118,9 @@ def _row(label: str, result: dict) -> tuple:
   r, f = result["record"], result["if_fit"]
   b = f["breakdown"]
   fit = "yes" if r["fits"] else f"no (+{r['over_capacity_gb']:.0f} GB)"
-  what_if = result["what_if_step_s"]
-  bench = mlperf_benchmark()
-  eval_batches = math.ceil(bench.eval_sequences / f["global_batch"])
-  forward = f["time_to_train"]["eval_s_each"] / (f["step_time_s"] * eval_batches)
-  what_if_min = (
-    bench.estimate(what_if, f["global_batch"], forward)["time_to_train_min"]
-    if what_if
-    else float("nan")
-  )
+  # What-if, not a projection: the step less the overheads' op time (they run on the
+  # compute stream); time to train is linear in the step time.
+  less = f["step_time_s"] - sum(result["overheads"].values())
   return (
     f["hardware"],
     label,
@@ -142,13 +128,14 @@ def _row(label: str, result: dict) -> tuple:
     fit,
     f["step_time_s"],
     b["compute_s"],
+    b["memory_bound_s"],
     b["exposed_comm_s"],
+    b["other_s"],
     b["bubble_s"],
-    f["mfu"],
     f.get("mfu_fp8", ""),
     f["time_to_train_min"],
-    what_if or "",
-    what_if_min,
+    less,
+    f["time_to_train_min"] * less / f["step_time_s"],
   )
 
 
@@ -159,21 +146,26 @@ HEADERS = (
   "fits",
   "step s",
   "compute s",
+  "of it memory-bound s",
   "exposed comm s",
+  "launches s",
   "bubble s",
-  "MFU bf16",
   "MFU fp8",
   "TTT min",
-  "what-if step s",
-  "what-if TTT min",
+  "less overheads step s",
+  "TTT min",
 )
 
 
-def _print_axes(label: str, result: dict) -> None:
-  top = sorted(result["by_axis"].items(), key=lambda kv: -kv[1])[:5]
+def _print_split(label: str, result: dict) -> None:
+  by_axis = result["if_fit"]["breakdown"]["exposed_comm_by_axis_s"]
+  axes = sorted(((a, s) for a, s in by_axis.items() if s >= 0.005), key=lambda kv: -kv[1])
   print(
-    f"  {label}: communication by kind and mesh axis (s per step, hidden or not): "
-    + ", ".join(f"{k} {v:.2f}" for k, v in top)
+    f"  {label}: exposed comm by mesh axis "
+    + ", ".join(f"{a} {s:.2f}" for a, s in axes)
+    + " s; pipeline-loop overheads "
+    + ", ".join(f"{k} {v:.2f}" for k, v in result["overheads"].items())
+    + " s"
   )
 
 
@@ -183,38 +175,30 @@ def calibration(sets: list[str]) -> None:
   for name, gpus, published in CALIBRATION:
     result = analyse(overrides.apply(experiments.variant(exp, name), sets), "h100", gpus)
     row = _row(f"{name} ({gpus})", result)
-    rows.append(
-      (
-        *row,
-        published,
-        f"{row[10] / published - 1:+.0%}",
-        f"{row[12] / published - 1:+.0%}",
-        f"{result['seconds']:.0f}",
-      )
-    )
+    errors = [f"{row[i] / published - 1:+.0%}" for i in (-3, -1)]
+    rows.append((*row, published, *errors, f"{result['seconds']:.0f}"))
     results.append((name, result))
-  print(f"\nCalibration: H100 in the published configurations {' '.join(sets)} "
-        f"(times 'if it fit')")
-  print(table.columns((*HEADERS, "published min", "error", "what-if error", "run s"), rows))
+  print(f"\nCalibration: H100 in the published configurations {' '.join(sets)} (times 'if it fit')")
+  print(table.columns((*HEADERS, "published min", "error", "less overheads error", "run s"), rows))
   for name, result in results:
-    _print_axes(name, result)
+    _print_split(name, result)
 
 
 def generations(hardware: list[str], sets: list[str]) -> None:
   base = overrides.apply(experiments.variant(experiments.load("mlperf_gpt3_175b"), "eos_512"), sets)
-  rows = []
+  rows, results = [], []
   for hw in hardware:
     result = analyse(base, hw, 512)
     rows.append(_row("eos_512 " + " ".join(sets), result))
-    _print_axes(hw, result)
+    results.append((hw, result))
   print(f"\n512 GPUs, H100's published configuration {' '.join(sets)} (times 'if it fit')")
   print(table.columns(HEADERS, rows))
-  h100 = rows[0]
+  for hw, result in results:
+    _print_split(hw, result)
   for row in rows[1:]:
     print(
-      f"  {row[0]} vs h100: step {h100[4] / row[4]:.2f}x, what-if step {h100[11] / row[11]:.2f}x"
-      if row[11]
-      else f"  {row[0]}: {h100[4] / row[4]:.2f}x"
+      f"  {row[0]} vs {rows[0][0]}: step {rows[0][4] / row[4]:.2f}x, "
+      f"less overheads {rows[0][-2] / row[-2]:.2f}x"
     )
 
 
@@ -227,7 +211,7 @@ def main() -> None:
     "--set",
     action="append",
     default=[],
-    help="override of eos_512 for the generations table (launch.py --set)",
+    help="override of both tables' configurations (launch.py --set)",
   )
   args = parser.parse_args()
   if not args.skip_calibration:

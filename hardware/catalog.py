@@ -175,6 +175,9 @@ KERNEL_LAUNCH_US = 4.0
 
 # Achievable HBM bandwidth: STREAM-like copy kernels typically reach 85-90% of the
 # peak on HBM GPUs. Estimate, not a measurement in hardware.md; 0.88 is its midpoint.
+# None of these efficiencies (this, the GEMM rates, NIC_EFFICIENCY, RING_EFFICIENCY,
+# KERNEL_LAUNCH_US) is fitted to the MLPerf GPT-3 calibration points: the residual there
+# is the program's and not one factor (experiments/mlperf_gpt3_175b.py, PUBLISHED).
 HBM_FRACTION = 0.88
 
 # NDR 400 Gb/s NIC: 46-49 GB/s each way measured (hardware.md) -> 47, i.e. 94% of the

@@ -15,7 +15,8 @@ order, and a communication stream that runs asynchronous collectives one after a
                    iteration: start and done sit in the same body)
 
 The step time is the compute stream's finish. Breakdown: compute_s (op time),
-exposed_comm_s (waiting on collectives), other_s (kernel launches).
+exposed_comm_s (waiting on collectives), other_s (kernel launches); memory_bound_s is the
+part of compute_s spent in ops whose HBM traffic, not their FLOPs, sets their time.
 """
 
 import dataclasses
@@ -35,7 +36,8 @@ class StepCost:
   compute_s: float
   exposed_comm_s: float
   other_s: float
-  comm_s: float           # all collective time, hidden or not
+  comm_s: float  # all collective time, hidden or not
+  memory_bound_s: float  # of compute_s: ops whose bytes outlast their FLOPs
 
   def scaled(self, k: int) -> "StepCost":
     return StepCost(*(k * v for v in dataclasses.astuple(self)))
@@ -44,7 +46,7 @@ class StepCost:
     return StepCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
-ZERO = StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
+ZERO = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def matmul_tflops(hw: Hardware, dtype: str) -> float:
@@ -58,26 +60,36 @@ def matmul_tflops(hw: Hardware, dtype: str) -> float:
   return hw.achievable_tflops("bf16")
 
 
-def op_time_s(op: hlo.Compute, hw: Hardware) -> float:
+def op_times_s(op: hlo.Compute, hw: Hardware) -> tuple[float, float]:
+  """(FLOP time, HBM time) of one op; it takes the longer of the two."""
   matmul = matmul_tflops(hw, op.dot_dtype or op.dtype) * 1e12
-  vector = (hw.achievable_tflops("f32") or hw.achievable_tflops("bf16") * VECTOR_FRACTION_OF_MATMUL) * 1e12
+  vector = (
+    hw.achievable_tflops("f32") or hw.achievable_tflops("bf16") * VECTOR_FRACTION_OF_MATMUL
+  ) * 1e12
   flops_s = op.dot_flops / matmul + (op.flops - op.dot_flops) / vector
   bytes_s = (op.bytes_read + op.bytes_written) / (hw.hbm_achievable_tb_s * 1e12)
-  return max(flops_s, bytes_s)
+  return flops_s, bytes_s
 
 
-def simulate(nodes: Iterable[hlo.Node], hw: Hardware,
-             collective_s: Callable[[hlo.Collective], float]) -> StepCost:
+def op_time_s(op: hlo.Compute, hw: Hardware) -> float:
+  return max(op_times_s(op, hw))
+
+
+def simulate(
+  nodes: Iterable[hlo.Node], hw: Hardware, collective_s: Callable[[hlo.Collective], float]
+) -> StepCost:
   launch_s = hw.kernel_launch_us * 1e-6
   now = comm_free = 0.0
-  compute = exposed = other = comm = 0.0
+  compute = exposed = other = comm = memory_bound = 0.0
   pending: dict[str, float] = {}  # async collective -> when it finishes
   total = ZERO
   for node in nodes:
     if isinstance(node, hlo.Compute):
-      duration = op_time_s(node, hw)
+      flops_s, bytes_s = op_times_s(node, hw)
+      duration = max(flops_s, bytes_s)
       now += duration + launch_s
       compute += duration
+      memory_bound += duration if bytes_s > flops_s else 0.0
       other += launch_s
     elif isinstance(node, hlo.Collective):
       duration = collective_s(node)
@@ -99,4 +111,4 @@ def simulate(nodes: Iterable[hlo.Node], hw: Hardware,
       total = total + body
       now += body.step_s
       comm_free = max(comm_free, now)
-  return total + StepCost(now - total.step_s, compute, exposed, other, comm)
+  return total + StepCost(now - total.step_s, compute, exposed, other, comm, memory_bound)

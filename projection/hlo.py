@@ -76,6 +76,9 @@ class Compute:
   kind: str = ""        # fusion kind (kLoop, __triton_gemm, ...) or custom-call target
   # Element type of the matmul inputs, "" if none: a bf16 gemm may output f32 (split-K).
   dot_dtype: str = ""
+  # Its metadata op_name: the jax.named_scope / primitive path it came from, which says
+  # what program code a costly op belongs to (diagnostics only; the cost model ignores it).
+  op_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -488,7 +491,8 @@ class _Analyzer:
         flops, dflops = self.instr_flops(ins, comp)
         read, written = self.instr_bytes(ins, comp)
         nodes.append(Compute(ins.name, op, flops, dflops, read, written, _dtype(ins.shape),
-                             _kind(ins), self.dot_dtype(ins, comp) if dflops else ""))
+                             _kind(ins), self.dot_dtype(ins, comp) if dflops else "",
+                             _op_name(ins)))
     return nodes
 
   def _collective(self, ins: _Instr, comp: _Comp) -> Collective | None:
@@ -519,8 +523,7 @@ class _Analyzer:
 
   def _loop(self, ins: _Instr, comp: _Comp) -> Loop:
     body = self.comp_nodes(ins.attrs["body"].lstrip("%"))
-    op_name = re.search(r'op_name="([^"]*)"', ins.attrs.get("metadata", ""))
-    op_name = op_name.group(1) if op_name else ""
+    op_name = _op_name(ins)
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs.get("backend_config", ""))
     if m:
       return Loop(ins.name, int(m.group(1)), body, "backend_config", op_name)
@@ -561,6 +564,11 @@ class _Analyzer:
       init = got[1] if got and got[0] == "const" else 0
     trips = rhs[1] - init + (1 if direction == "LE" else 0)
     return trips if trips > 0 else None
+
+
+def _op_name(ins: _Instr) -> str:
+  m = re.search(r'op_name="([^"]*)"', ins.attrs.get("metadata", ""))
+  return m.group(1) if m else ""
 
 
 def _kind(ins: _Instr) -> str:

@@ -171,6 +171,15 @@ def target_group_domains(groups: Groups, reduced: ReducedMesh) -> list[tuple[int
   return [tuple(domains[i].tolist()) for i in sorted(first)]
 
 
+def axes_of(groups: Groups, reduced: ReducedMesh) -> str:
+  """The mesh axes a compiled collective runs along, "+"-joined in AXES order ("data",
+  "tensor+pipeline", ...): those on which members of a group (or a permute's source and
+  target) differ; "none" for groups of one."""
+  coords = [_coords((g,), reduced)[0] for g in groups]
+  return "+".join(a for i, a in enumerate(AXES)
+                  if any(len(set(c[:, i].tolist())) > 1 for c in coords)) or "none"
+
+
 def group_growth(groups: Groups, reduced: ReducedMesh) -> float:
   """Target group size over compiled group size (1 unless the groups run along data)."""
   if _spans_data(_coords(groups, reduced)):

@@ -220,6 +220,23 @@ def bubble_s(program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Col
   return total
 
 
+def exposed_comm_by_axis_s(program: hlo.Program, hw: Hardware, reduced: layout.ReducedMesh,
+                           collective_s: Callable[[hlo.Collective], float]) -> dict[str, float]:
+  """Exposed communication by the mesh axes its collectives run along: how much shorter
+  the step would be if that axis's collectives were free (the parts need not add up to
+  exposed_comm_s: one collective can hide behind another)."""
+  axes = {}
+  for node, _ in hlo.collectives(program):
+    groups = node.pairs if node.kind == "collective-permute" else node.groups
+    axes[node.name] = layout.axes_of(groups, reduced) if groups else "none"
+  step_s = cost_model.simulate(program.entry, hw, collective_s).step_s
+  out = {}
+  for axis in sorted(set(axes.values())):
+    free = lambda n, axis=axis: 0.0 if axes[n.name] == axis else collective_s(n)
+    out[axis] = step_s - cost_model.simulate(program.entry, hw, free).step_s
+  return out
+
+
 def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
                       ) -> Callable[[hlo.Collective], float]:
   """Seconds for one compiled collective on the target: its slowest replica group's time.
@@ -323,10 +340,16 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
       "mfu": model_tflops / hw.peak_tflops("bf16"),
       # bubble_s: the pipeline's idle trips, a part of the step that the other three
       # also cover (its ops and waits are counted there too).
+      # memory_bound_s is the part of compute_s whose time HBM traffic sets, the rest
+      # being matmuls (and any op) at the FLOP rate; exposed_comm_by_axis_s splits
+      # exposed_comm_s by the mesh axes of its collectives.
       "breakdown": {"compute_s": cost.compute_s, "exposed_comm_s": cost.exposed_comm_s,
                     "other_s": cost.other_s,
                     "bubble_s": bubble_s(program, hw, timer, reduced.micro_batches, stages,
-                                         virtual)},
+                                         virtual),
+                    "memory_bound_s": cost.memory_bound_s,
+                    "exposed_comm_by_axis_s": exposed_comm_by_axis_s(program, hw, reduced,
+                                                                     timer)},
       "comm_s": cost.comm_s,
   })
   return record

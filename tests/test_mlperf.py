@@ -234,6 +234,12 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
   loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop in loops)
   bubble = record["breakdown"]["bubble_s"]
   assert bubble > 0 and bubble == pytest.approx(loops_s / 9)  # (P-1) / (M V + P - 1)
+  # The stages pass activations with collective-permutes along `pipeline`, waited for on
+  # every trip; the mesh has no other axes than data and pipeline.
+  by_axis = record["breakdown"]["exposed_comm_by_axis_s"]
+  assert by_axis["pipeline"] > 0
+  assert all(set(axes.split("+")) <= {"data", "pipeline"} for axes in by_axis if axes != "none")
+  assert max(by_axis.values()) <= record["breakdown"]["exposed_comm_s"] + 1e-12
   # 8 micro-batches: 8 more busy trips per loop, the same one idle.
   eight = project.with_micro_batches(program, 4, 8, virtual_stages=2)
   assert [eight.entry[i].trip_count for i in project.pipeline_loops(eight)] == [17, 17]

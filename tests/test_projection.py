@@ -192,6 +192,51 @@ def test_sync_collective_waits_for_the_communication_stream():
   assert cost.step_s == cost.exposed_comm_s == 2.0 and cost.comm_s == 2.0
 
 
+def test_memory_bound_time_is_the_part_of_compute_that_hbm_sets():
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[8192,8192], b: bf16[8192,8192]) -> bf16[8192,8192] {
+  %a = bf16[8192,8192]{1,0} parameter(0)
+  %b = bf16[8192,8192]{1,0} parameter(1)
+  %d = bf16[8192,8192]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+  ROOT %e = bf16[8192,8192]{1,0} add(%d, %a), metadata={op_name="jit(f)/add"}
+}
+"""
+  program = hlo.analyze(text)
+  dot, add = program.entry
+  assert (dot.op_name, add.op_name) == ("jit(f)/dot_general", "jit(f)/add")
+  cost = cost_model.simulate(program.entry, H100, lambda n: 0.0)
+  dot_s = 2 * 8192**3 / (H100.achievable_tflops("bf16") * 1e12)
+  add_s = 3 * 8192**2 * 2 / (H100.hbm_achievable_tb_s * 1e12)  # two reads, one write
+  assert cost.compute_s == pytest.approx(dot_s + add_s)
+  assert cost.memory_bound_s == pytest.approx(add_s)
+
+
+def test_collectives_are_named_by_the_mesh_axes_they_run_along():
+  # Compiled mesh data 2 x fsdp 1 x tensor 2 x pipeline 2: partition 4 d + 2 t + p.
+  reduced = layout.ReducedMesh(None, {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 2}, 8, 1, 1)
+  tensor = ((0, 2), (1, 3), (4, 6), (5, 7))
+  assert layout.axes_of(tensor, reduced) == "tensor"
+  assert layout.axes_of(((0, 4), (1, 5), (2, 6), (3, 7)), reduced) == "data"
+  assert layout.axes_of(((0, 1), (1, 0), (2, 3), (3, 2)), reduced) == "pipeline"
+  assert layout.axes_of(((0, 1, 2, 3), (4, 5, 6, 7)), reduced) == "tensor+pipeline"
+  assert layout.axes_of(((0,), (1,)), reduced) == "none"
+  # A sync tensor all-reduce (1 s, exposed), an async data all-reduce (1 s) behind 1 s of
+  # compute (hidden), a sync permute along pipeline (0.5 s, exposed).
+  work = hlo.Compute("w", "fusion", 0.0, 0.0, int(H100.hbm_achievable_tb_s * 1e12), 0, "bf16")
+  nodes = (
+    hlo.Collective("t", "all-reduce", 1, "bf16", tensor),
+    hlo.Collective("d", "all-reduce", 1, "bf16", ((0, 4), (1, 5), (2, 6), (3, 7)), is_async=True),
+    work,
+    hlo.AsyncDone("d-done", "d"),
+    hlo.Collective("p", "collective-permute", 1, "bf16", pairs=((0, 1), (1, 0))),
+  )
+  seconds = {"t": 1.0, "d": 1.0, "p": 0.5}
+  by_axis = project.exposed_comm_by_axis_s(hlo.Program("p", 8, nodes), H100, reduced,
+                                           lambda n: seconds[n.name])
+  assert by_axis == pytest.approx({"tensor": 1.0, "data": 0.0, "pipeline": 0.5}, abs=1e-9)
+
+
 # ----------------------------------------------------------------------------- launch.py
 # (hardware, gpus) -> what the one line launch.py prints must contain.
 BAD_INPUT = {
