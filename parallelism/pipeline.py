@@ -24,7 +24,10 @@ later than it left needs M >= P micro-batches when V > 1.
 
 Everything is one SPMD program: the per-rank state is a [P, ...] array sharded over
 `pipeline`, the ranks' work is `jax.vmap` over it with `spmd_axis_name="pipeline"`, and
-the move is `jnp.roll` along it, which XLA partitions into a collective-permute.
+the move is `jnp.roll` along it, which XLA partitions into a collective-permute. The
+whole loop is in turn vmapped over the data-parallel replicas (spmd_axis_name `data`),
+each on its own broadcast copy of the weights, so that their gradients are reduced over
+`data` once after the backward loop rather than once per trip.
 """
 
 from collections.abc import Callable
