@@ -124,8 +124,8 @@ def _published(
 # and +144% time to train, 512 not fitting in 80 GB) is work the published runs do not
 # do or hide: per-trip rewrites of the whole weight-gradient stack, per-trip FP8 weight
 # casts, whole-buffer copies, and collectives that the lockstep pipeline leaves exposed.
-# Without them the two points land at -23% and +7% (all exposed communication hidden)
-# or +28% and +39% (none hidden): the residual is not one factor, so no single HBM or
+# Without them the two points land at -25% and +7% (all exposed communication hidden)
+# or +26% and +38% (none hidden): the residual is not one factor, so no single HBM or
 # matmul efficiency per generation could fit both; fitting one would only absorb the
 # program's overheads into the hardware figures.
 PUBLISHED = {
