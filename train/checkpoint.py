@@ -55,6 +55,9 @@ class Checkpoints:
     if keep < 1:
       raise UserInputError(f"--keep_checkpoints must be a positive integer, got {keep}")
     self.directory = pathlib.Path(os.path.abspath(directory))
+    # Checked here: orbax would fail on it in a background thread, with a traceback.
+    if self.directory.exists() and not self.directory.is_dir():
+      raise UserInputError(f"--checkpoint_dir {self.directory} is a file, not a directory")
     # Orbax reports every stage of every save at INFO; warnings and errors still show.
     logging.set_verbosity(logging.WARNING)
     try:

@@ -55,33 +55,36 @@ def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
   total = train_cfg.warmup_steps + train_cfg.steps
   step_times, losses = [], []
   stop = preemption.StopRequest(jax.process_count()) if checkpoints else contextlib.nullcontext()
-  with stop:
-    for step in range(first_step, total):
-      batch = jax.block_until_ready(batches.batch(step))
-      for hook in hooks:
-        hook.before_step(step)
-      start = time.perf_counter()
-      state, metrics = compiled(state, batch)
-      jax.block_until_ready((state, metrics))
-      elapsed = time.perf_counter() - start
-      if step >= train_cfg.warmup_steps:
-        step_times.append(elapsed)
-      loss = float(metrics["loss"])
-      if not math.isfinite(loss):
-        raise RunStopped(_stopped(f"loss is {loss} at step {step}", checkpoints,
-                                  "the bad step was not saved"), 1)
-      losses.append(loss)
-      for hook in hooks:
-        hook.after_step(step, metrics, elapsed)
-      if checkpoints:
-        signum = stop.signal_number()
-        checkpoints.save(step + 1, state, batches, force=bool(signum) or step + 1 == total)
-        if signum:
-          raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints,
-                                    "rerun the same command to resume"),
-                           preemption.EXIT_CODE_BASE + signum)
-  for hook in hooks:
-    hook.close()
+  # Hooks close on every exit, so a run stopped by a signal or a bad loss keeps its scalars.
+  try:
+    with stop:
+      for step in range(first_step, total):
+        batch = jax.block_until_ready(batches.batch(step))
+        for hook in hooks:
+          hook.before_step(step)
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        elapsed = time.perf_counter() - start
+        if step >= train_cfg.warmup_steps:
+          step_times.append(elapsed)
+        loss = float(metrics["loss"])
+        if not math.isfinite(loss):
+          raise RunStopped(_stopped(f"loss is {loss} at step {step}", checkpoints,
+                                    "the bad step was not saved"), 1)
+        losses.append(loss)
+        for hook in hooks:
+          hook.after_step(step, metrics, elapsed)
+        if checkpoints:
+          signum = stop.signal_number()
+          checkpoints.save(step + 1, state, batches, force=bool(signum) or step + 1 == total)
+          if signum:
+            raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints,
+                                      "rerun the same command to resume"),
+                             preemption.EXIT_CODE_BASE + signum)
+  finally:
+    for hook in hooks:
+      hook.close()
   if checkpoints:
     checkpoints.close()
   return RunResult(t1 - t0, t2 - t1, step_times, losses, state, first_step)
