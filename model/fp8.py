@@ -17,9 +17,22 @@ stacked per layer, threaded through the layer scan and the pipeline loop, and ke
 of AdamW; current scaling needs no state at the cost of one max-reduction per operand
 (a scalar all-reduce when the operand is sharded). The casts themselves are Flax's
 (`fp8_ops.quantize`), so saturation and rounding match Flax's FP8 path.
+
+Weights are cast once a step (`cast_weights`, on the whole layer stack, one scale per
+layer), not in every matmul: the layer scan and the pipeline loop then read one byte per
+weight element per use instead of reading bfloat16, reducing it to an amax and writing
+FP8 again on every layer call and every pipeline trip (Transformer Engine caches its
+weight casts across micro-batches for the same reason). A `CastWeight` carries the
+bfloat16 weight along with its cast: the forward pass reads only the cast, and the weight
+gradient flows to the bfloat16 weight.
+
+Products are returned in the compute dtype (an FP8 GEMM writes bfloat16 directly), so
+the matmul outputs the remat policy saves for the backward pass are half the size of
+float32 ones.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,29 +42,57 @@ E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 
 
+def _scale(amax: jax.Array, dtype) -> jax.Array:
+  """The float32 scale that maps the largest magnitude to dtype's largest finite value."""
+  amax = amax.astype(jnp.float32)
+  return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+
+
 def _quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """x as `dtype` and the float32 scale that restores it (x ~= q * scale)."""
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+  scale = _scale(jnp.max(jnp.abs(x)), dtype)
   return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
 
 
+class CastWeight(NamedTuple):
+  """A weight [..., ] with its E4M3 cast and the cast's float32 scale (w ~= cast * scale)."""
+
+  weight: jax.Array
+  cast: jax.Array
+  scale: jax.Array
+
+
+def cast_weights(stack: jax.Array) -> CastWeight:
+  """A layer-stacked weight [L, ...] with its E4M3 cast, scaled per layer (scale [L])."""
+  constant = jax.lax.stop_gradient(stack)
+  layer_axes = tuple(range(1, stack.ndim))
+  scale = _scale(jnp.max(jnp.abs(constant), axis=layer_axes), E4M3)  # [L]
+  per_layer = scale.reshape(-1, *(1,) * len(layer_axes))
+  return CastWeight(stack, fp8_ops.quantize(constant, E4M3, per_layer, jnp.float32), scale)
+
+
 def _fp8_einsum(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-  out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-  return (out * scale).astype(dtype)
+  out = jnp.einsum(spec, a, b, preferred_element_type=dtype)
+  return (out.astype(jnp.float32) * scale).astype(dtype)
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight) -> jax.Array:
+  """jnp.einsum(spec, x, w) with FP8 operands; spec has two operands and each index of an
+  operand appears in the other operand or the output (true of every weight matmul). w is
+  cast here unless it is a CastWeight already."""
+  if not isinstance(w, CastWeight):
+    w = CastWeight(w, *_quantize(jax.lax.stop_gradient(w), E4M3))
+  return _cast_einsum(spec, x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """jnp.einsum(spec, x, w) with FP8 operands; spec has two operands and each index of an
-  operand appears in the other operand or the output (true of every weight matmul)."""
+def _cast_einsum(spec: str, x: jax.Array, w: CastWeight) -> jax.Array:
   return _forward(spec, x, w)[0]
 
 
 def _forward(spec, x, w):
   xq, x_scale = _quantize(x, E4M3)
-  wq, w_scale = _quantize(w, E4M3)
-  return _fp8_einsum(spec, xq, wq, x_scale * w_scale, x.dtype), (xq, x_scale, wq, w_scale)
+  return _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype), (xq, x_scale, w.cast, w.scale)
 
 
 def _backward(spec, residuals, g):
@@ -61,7 +102,8 @@ def _backward(spec, residuals, g):
   x_axes, w_axes = inputs.split(",")
   dx = _fp8_einsum(f"{out},{w_axes}->{x_axes}", gq, wq, g_scale * w_scale, g.dtype)
   dw = _fp8_einsum(f"{x_axes},{out}->{w_axes}", xq, gq, x_scale * g_scale, g.dtype)
-  return dx, dw
+  # The cast and its scale are constants of the step: the gradient is the weight's.
+  return dx, CastWeight(dw, None, None)
 
 
-einsum.defvjp(_forward, _backward)
+_cast_einsum.defvjp(_forward, _backward)

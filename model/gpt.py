@@ -10,6 +10,7 @@ Shapes: B batch, T sequence, D d_model, H heads, K head size, F 4 x D, V padded 
 L layers.
 """
 
+import functools
 import math
 
 import jax
@@ -31,6 +32,10 @@ _REMAT = {
     # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+# The weight matrices of a block: the matmuls that FP8 runs.
+KERNELS = ("qkv_kernel", "out_kernel", "fc1_kernel", "fc2_kernel")
 
 
 def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple, std: float, dtype) -> nnx.Param:
@@ -129,22 +134,29 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 
 def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array],
-               rows: jax.Array | None = None) -> jax.Array:
+               chunk: tuple[jax.Array, int] | None = None) -> jax.Array:
   """Layers of a stack (leading axis of each parameter) on x, under the remat policy: all of
-  them, or the stack's `rows` in order, indexed inside the remat boundary (the pipeline's
-  rows change every trip, and a slice taken outside would be saved for the backward pass
-  every trip)."""
-  if rows is None:
-    step = lambda carry, p: (block(cfg, carry, p), None)
-    xs = layer_params
-  else:
-    def step(carry, row):
-      p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False),
-                       layer_params)
-      return block(cfg, carry, p), None
-    xs = rows
-  step = jax.checkpoint(step, policy=_REMAT[cfg.remat], prevent_cse=False)
-  return jax.lax.scan(step, x, xs)[0]
+  them, or with chunk = (first, count) the stack's rows first .. first + count - 1.
+
+  The pipeline's chunk changes every trip. It is sliced once, inside a remat boundary
+  around the whole chunk: sliced outside, the slice would be saved for the backward pass
+  every trip; indexed row by row inside the layer scan, each trip's weight gradient would
+  be a whole-stack buffer (zeroed, scattered into, and added to the accumulator every
+  trip) instead of `count` rows added in place.
+  """
+  policy = _REMAT[cfg.remat]
+  step = jax.checkpoint(lambda carry, p: (block(cfg, carry, p), None), policy=policy,
+                        prevent_cse=False)
+  if chunk is None:
+    return jax.lax.scan(step, x, layer_params)[0]
+  first, count = chunk
+
+  @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)
+  def run_chunk(x, layer_params):
+    rows = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, count), layer_params)
+    return jax.lax.scan(step, x, rows)[0]
+
+  return run_chunk(x, layer_params)
 
 
 class GPT(nnx.Module):
@@ -174,10 +186,14 @@ class GPT(nnx.Module):
     # is vocab-parallel over tensor only; otherwise the partitioner replicates it.
     return constrain(self._cast(self.wte), ("vocab", None))
 
-  def layer_params(self) -> dict[str, jax.Array]:
-    """The stacked layer parameters in the compute dtype."""
-    return {name: self._cast(v) for name, v in vars(self.layers).items()
-            if isinstance(v, nnx.Param)}
+  def layer_params(self) -> dict[str, jax.Array | fp8.CastWeight]:
+    """The stacked layer parameters in the compute dtype; with FP8 the matmul kernels
+    with their FP8 casts, made once here for every layer call of the step."""
+    params = {name: self._cast(v) for name, v in vars(self.layers).items()
+              if isinstance(v, nnx.Param)}
+    if self.cfg.fp8:
+      params |= {name: fp8.cast_weights(params[name]) for name in KERNELS}
+    return params
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] -> the residual stream entering the first layer [B, T, D]."""

@@ -118,7 +118,7 @@ def _pin(x: jax.Array, *leading: str) -> jax.Array:
 
 
 def run(
-  run_chunk: Callable[[jax.Array, dict, jax.Array], jax.Array],
+  run_chunk: Callable[[jax.Array, dict, tuple[jax.Array, int]], jax.Array],
   layers: dict[str, jax.Array],
   inputs: jax.Array,
   stages: int,
@@ -126,9 +126,10 @@ def run(
 ) -> jax.Array:
   """All layers on every micro-batch through the pipeline.
 
-  run_chunk(x, rank_params, rows): the layers `rows` [C] of one rank's stack (leading axis
-  V C) on one micro-batch x [b, ...]; it indexes the stack itself, inside its remat
-  boundary, so that a per-trip slice of the weights is never saved for the backward pass.
+  run_chunk(x, rank_params, (first, C)): the rows first .. first + C - 1 of one rank's
+  stack (leading axis V C) on one micro-batch x [b, ...]; it slices the stack itself, inside
+  its remat boundary, so that a per-trip slice of the weights is never saved for the
+  backward pass.
   layers: stacked [L, ...] in stage order, sharded over `pipeline`. inputs
   [M, b, ...]: the embedded micro-batches. Returns the last layer's outputs [M, b, ...],
   held by rank 0.
@@ -142,7 +143,7 @@ def run(
   def one_rank(params, t, s, x):
     k = t - s
     v = jnp.clip(k // M, 0, V - 1)
-    return run_chunk(x, params, v * C + jnp.arange(C))
+    return run_chunk(x, params, (v * C, C))
 
   def one_replica(chunks, inputs):
     def trip(carry, t):
@@ -154,9 +155,12 @@ def run(
       done, ready = (t - (P - 1)) % M, t >= P - 1
 
       def keep(buf, received):
+        # Read the slot entering next before writing, so that no read needs the buffer's
+        # old version and XLA updates it in place (with M = P the two slots coincide).
+        following = (t + 1) % M
+        entering = jnp.where(ready & (following == done), received, buf[following])
         slot = jnp.where(ready, received, buf[done])
-        buf = jax.lax.dynamic_update_index_in_dim(buf, slot, done, 0)
-        return buf, buf[(t + 1) % M]
+        return jax.lax.dynamic_update_index_in_dim(buf, slot, done, 0), entering
 
       buffer, entering = jax.vmap(keep, spmd_axis_name=MESH_AXIS)(buffer, y)
       is_first = (rank == 0).reshape(P, *(1,) * (y.ndim - 1))

@@ -15,6 +15,7 @@ backward pass gets the mirror image.
 """
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ def matmul(
   fn: Callable,
   spec: str,
   x: jax.Array,
-  w: jax.Array,
+  w: Any,
   x_axes: Sequence[str | None],
   w_axes: Sequence[str | None],
   out_axes: Sequence[str | None],
@@ -67,7 +68,10 @@ def matmul(
       ).astype(y.dtype)
     return y
 
-  specs = tuple(_tensor_only(a) for a in (x_axes, w_axes, out_axes))
+  x_spec, w_spec, out_spec = (_tensor_only(a) for a in (x_axes, w_axes, out_axes))
+  # w may carry its FP8 cast and per-tensor scale (model/fp8.py CastWeight): the cast is
+  # laid out like w, the scale is a scalar.
+  w_specs = jax.tree.map(lambda leaf: w_spec if jnp.ndim(leaf) else PartitionSpec(), w)
   # Under the pipeline's vmaps (spmd_axis_name `pipeline` and `data`) those axes must be
   # manual here too; elsewhere they stay automatic (an unused manual axis would get
   # no-op all-reduces over one-device groups in the backward pass).
@@ -77,8 +81,8 @@ def matmul(
   return jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=specs[:2],
-    out_specs=specs[2],
+    in_specs=(x_spec, w_specs),
+    out_specs=out_spec,
     axis_names={TENSOR} | rules.vmapped_axes(),
     check_vma=False,
   )(x, w)

@@ -5,6 +5,8 @@ import dataclasses
 import re
 
 import jax
+import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -185,3 +187,37 @@ def test_pipeline_axis_crosses_infiniband_first():
   layout = plan(MeshConfig(data=2, tensor=2, pipeline=2), 8)
   assert layout.nvlink == {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 1}
   assert layout.infiniband["pipeline"] == 2
+
+
+def _f8_weight_casts(jaxpr, kernel_shapes, in_loop=False):
+  """(casts to E4M3 of kernel-shaped arrays outside loops, inside loops), recursively."""
+  outside = inside = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.float8_e4m3fn:
+      shape = eqn.invars[0].aval.shape
+      if any(shape[len(shape) - len(k):] == k for k in kernel_shapes):
+        inside, outside = inside + in_loop, outside + (not in_loop)
+    loop = in_loop or eqn.primitive.name in ("scan", "while")
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          o, i = _f8_weight_casts(sub, kernel_shapes, loop)
+          outside, inside = outside + o, inside + i
+  return outside, inside
+
+
+def test_fp8_weights_are_cast_once_a_step_outside_the_pipeline_loop():
+  model = dataclasses.replace(MODEL, fp8=True, compute_dtype="bfloat16")
+  train = dataclasses.replace(
+    TRAIN, pipeline_schedule="interleaved", virtual_stages=2, micro_batch=1
+  )
+  program = _program(MeshConfig(data=2, tensor=2, pipeline=2), 8, model=model, train=train)
+  D, F, H, K = model.d_model, model.d_ff, model.num_heads, model.head_dim
+  kernels = ((D, 3, H, K), (H, K, D), (D, F), (F, D))
+  with jax.set_mesh(program.mesh):
+    jaxpr = jax.make_jaxpr(program.step)(
+      program.abstract_state, program.abstract_batch(TRAIN.global_batch, MODEL.seq_len)
+    )
+  # One cast per kernel stack, none per trip or per layer.
+  assert _f8_weight_casts(jaxpr.jaxpr, kernels) == (4, 0)

@@ -106,7 +106,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     model = nnx.merge(graphdef, params)
     micro = split(batch)                                     # [M, b, T]
     x = jax.vmap(model.embed)(micro["inputs"])
-    x = pipeline.run(lambda x, p, rows: run_layers(model_cfg, x, p, rows),
+    x = pipeline.run(lambda x, p, chunk: run_layers(model_cfg, x, p, chunk),
                      model.layer_params(), x, stages, virtual)
     # The head's micro-batches split over the stages, which would otherwise all repeat it.
     spread = pipeline.MESH_AXIS if micro_batches % stages == 0 else None
