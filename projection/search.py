@@ -56,6 +56,12 @@ class Candidate:
   micro_batch: int
   remat: str
 
+  def describe(self) -> str:
+    return (
+      f"TP {self.tensor_parallel}, PP {self.pipeline_parallel}, VS {self.virtual_stages}, "
+      f"micro-batch {self.micro_batch}, remat {self.remat}"
+    )
+
   def assignments(self) -> tuple[str, ...]:
     """The `--set` overrides that select this configuration (experiments/overrides.py)."""
     schedule = "interleaved" if self.virtual_stages > 1 else "gpipe"
@@ -248,7 +254,7 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
     if built[key] > hw.hbm_bytes:
       pruned[STATE_REASON] += 1
       examples.setdefault(
-        STATE_REASON, f"{candidate}: {built[key] / GB:.1f} GB of {hw.hbm_bytes / GB:.1f}"
+        STATE_REASON, f"{candidate.describe()}: {built[key] / GB:.1f} of {hw.hbm_bytes / GB:.1f} GB"
       )
       continue
     survivors.append((candidate, prior(cand_exp, hw, reduced, built[key]), reduced))
