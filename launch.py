@@ -348,14 +348,13 @@ def _run_search() -> None:
       bars[0].set_postfix_str(" ".join(candidate.assignments()[:3]))
 
     try:
-      found = search.search(exp, name, gpus, _SEARCH_BUDGET.value, progress=step)
+      found = search.search(exp, name, gpus, _SEARCH_BUDGET.value, progress=step,
+                            on_record=_append)
       for bar in bars:
         bar.update(bar.total - bar.n)
     finally:
       for bar in bars:
         bar.close()
-    for record in found.records:
-      _append(record)
     searches.append((exp, found, time.perf_counter() - start))
   for exp, found, wall_s in searches:
     _print_search(exp, found, wall_s)

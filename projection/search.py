@@ -281,10 +281,11 @@ def search(
   budget: int = DEFAULT_BUDGET,
   projector: Projector = project.project_on,
   progress: Callable[[int, int, Candidate], None] | None = None,
+  on_record: Callable[[dict], None] | None = None,
 ) -> Result:
   """Search `exp`'s parallelism on `gpus` GPUs of `hw_name`, projecting at most `budget`
   candidates (tests pass a `projector` that does not compile). `progress(done, to_do,
-  candidate)` is called before each projection."""
+  candidate)` is called before each projection, `on_record(record)` after it."""
   if budget < 1:
     raise UserInputError(f"--search_budget must be a positive whole number, got {budget}")
   hw = check_point(hw_name, gpus)
@@ -319,6 +320,8 @@ def search(
       "budget": budget,
     }
     records.append(record)
+    if on_record:
+      on_record(record)
   compiles = project.compile_step.cache_info().misses - before
   return Result(
     hw.name,

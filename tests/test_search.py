@@ -131,10 +131,17 @@ def _fake_projector(fitting_remat: set[str]):
 
 
 def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first():
+  appended = []
   found = search.search(
-    SMALL, "h100", 8, budget=7, projector=_fake_projector({"save_dots", "full"})
+    SMALL,
+    "h100",
+    8,
+    budget=7,
+    projector=_fake_projector({"save_dots", "full"}),
+    on_record=appended.append,
   )
   assert len(found.records) == 7 and found.compiles == 0
+  assert appended == list(found.records)
   # Projected in prior order, each record marked as a search point.
   assert [r["search"]["prior_rank"] for r in found.records] == list(range(7))
   assert [r["search"]["set"] for r in found.records] == [
