@@ -21,8 +21,8 @@ PROJECTION_HOST_DEVICES = 512
 
 
 def _projects(argv: list[str]) -> bool:
-  """Whether the run projects: --mode=project, or a sweep whose definition projects."""
-  if "--mode=project" in argv:
+  """Whether the run projects: --mode=project or search, or a sweep whose definition projects."""
+  if "--mode=project" in argv or "--mode=search" in argv:
     return "--hardware=host" not in argv
   if "--mode=sweep" in argv:
     from sweep import definitions  # pylint: disable=import-outside-toplevel (imports no jax)
@@ -51,6 +51,7 @@ platform_env.configure(_host_devices_from_argv(sys.argv),
 import dataclasses
 import datetime
 import math
+import time
 
 import jax
 import tqdm
@@ -64,6 +65,7 @@ from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
 from parallelism import pipeline
 from projection import project
+from projection import search
 from report import results, table
 from sweep import definitions as sweeps
 from sweep import runner as sweep_runner
@@ -73,7 +75,7 @@ from train import loop
 from train import step as train_step
 from train.checkpoint import Checkpoints
 
-MODES = ("train", "benchmark", "project", "sweep")
+MODES = ("train", "benchmark", "project", "search", "sweep")
 
 _EXPERIMENT = flags.DEFINE_string("experiment", "tiny", "Experiment name: a file in experiments/.")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
@@ -81,6 +83,8 @@ _MODE = flags.DEFINE_enum("mode", "train", MODES,
                           "train: run the experiment's task and record losses; "
                           "benchmark: time the step on synthetic tokens; "
                           "project: compile for --hardware and cost it on --gpus GPUs; "
+                          "search: the best parallelism configurations for --hardware and "
+                          "--gpus (projection/search.py); "
                           "sweep: the experiment's sweep (sweep/definitions.py).")
 _STEPS = flags.DEFINE_integer("steps", None, "Timed steps (overrides train.steps).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices", None, "Use the first N local devices (default: all).",
@@ -89,6 +93,10 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs", "Where results.jsonl is 
 _HARDWARE = flags.DEFINE_list("hardware", ["h100"], "project: hardware names "
                               "(a100, h100, h200, b200, gb200, gb300, host), comma-separated.")
 _GPUS = flags.DEFINE_list("gpus", ["512"], "project: GPU counts, comma-separated.")
+_TOP = flags.DEFINE_integer("top", 5, "search: how many configurations to print.", lower_bound=1)
+_SEARCH_BUDGET = flags.DEFINE_integer("search_budget", search.DEFAULT_BUDGET,
+                                      "search: candidates projected (compiled) at most, per "
+                                      "hardware and GPU count.", lower_bound=1)
 _PROFILE_STEPS = flags.DEFINE_string("profile_steps", None, "A:B: a JAX profiler trace of steps "
                                      "A..B-1 (from 0, warm-up included) in OUTPUT_DIR/profile.")
 _CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, "Save checkpoints here and resume "
@@ -261,8 +269,9 @@ def _print_record(record: dict) -> None:
   print(table.key_values(f"Result ({record['mode']})", rows))
 
 
-def _projection_points() -> list[tuple[str, int]]:
-  """Every (hardware, gpus) point, all checked before the first compile."""
+def _projection_points(check_plan: bool = True) -> list[tuple[str, int]]:
+  """Every (hardware, gpus) point, all checked before the first compile (with
+  `check_plan`, the experiment's own layout on each)."""
   counts = []
   for text in _GPUS.value:
     if not text.strip().isdigit() or int(text) < 1:
@@ -270,8 +279,15 @@ def _projection_points() -> list[tuple[str, int]]:
     counts.append(int(text))
   points = [(name.strip().lower(), gpus) for name in _HARDWARE.value for gpus in counts]
   for name, gpus in points:
-    project.plan(_experiment("project", gpus=gpus), project.hardware(name, gpus), gpus)
+    hw = project.hardware(name, gpus)
+    if check_plan:
+      project.plan(_experiment("project", gpus=gpus), hw, gpus)
   return points
+
+
+def _append(record: dict) -> None:
+  record["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  results.append(_OUTPUT_DIR.value, record)
 
 
 def _run_projection() -> list[dict]:
@@ -281,8 +297,7 @@ def _run_projection() -> list[dict]:
   for name, gpus in progress:
     progress.set_postfix_str(f"{name} x {gpus}")
     record = project.project(_experiment("project", gpus=gpus), name, gpus)
-    record["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    results.append(_OUTPUT_DIR.value, record)
+    _append(record)
     records.append(record)
   return records
 
@@ -311,6 +326,70 @@ def _print_projection(records: list[dict]) -> None:
   print(table.columns(headers, rows))
   for note in sorted({r["compile_note"] for r in records if r["compile_note"]}):
     print(f"note: compiled on host CPU devices: {note}")
+
+
+def _run_search() -> None:
+  """Search each (hardware, gpus) point: every valid configuration ranked by the prior,
+  the first --search_budget projected and appended, the best --top printed."""
+  points = _projection_points(check_plan=False)
+  for name, gpus in points:
+    search.check_point(name, gpus)
+  searches = []
+  for name, gpus in points:
+    exp = _experiment("project", gpus=gpus)
+    start = time.perf_counter()
+    bars: list[tqdm.tqdm] = []  # made at the first projection: bad input prints nothing else
+
+    def step(done: int, to_do: int, candidate: search.Candidate, bars=bars, name=name,
+             gpus=gpus) -> None:
+      if not bars:
+        bars.append(tqdm.tqdm(total=to_do, desc=f"searching {name} x {gpus}", unit="point"))
+      bars[0].update(done - bars[0].n)
+      bars[0].set_postfix_str(" ".join(candidate.assignments()[:3]))
+
+    try:
+      found = search.search(exp, name, gpus, _SEARCH_BUDGET.value, progress=step,
+                            on_record=_append)
+      for bar in bars:
+        bar.update(bar.total - bar.n)
+    finally:
+      for bar in bars:
+        bar.close()
+    searches.append((exp, found, time.perf_counter() - start))
+  for exp, found, wall_s in searches:
+    _print_search(exp, found, wall_s)
+
+
+def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_s: float) -> None:
+  pruned = sum(found.pruned.values())
+  print(f"\n{exp.name}: {exp.model.name} on {found.gpus} {found.hardware}, global batch "
+        f"{exp.train.global_batch} x {exp.model.seq_len} tokens; searched in {wall_s:.0f} s")
+  print(f"{found.candidates:,} configurations, {pruned:,} pruned, {len(found.ranked):,} valid; "
+        f"{len(found.records)} projected in prior order ({found.compiles} new compiles)")
+  for reason, count in found.pruned.items():
+    print(f"  pruned {count:>6,}: {reason} (e.g. {found.examples[reason]})")
+  best = found.best(_TOP.value)
+  fitting = best and best[0]["fits"]
+  if not fitting:
+    print(f"none of the {len(found.records)} projected fits; the least over capacity:")
+  headers = ["TP", "PP", "VS", "micro-batch", "remat", "data", "step s", "GB/GPU", "MFU",
+             "prior rank"]
+  has_ttt = any("time_to_train_min" in r for r in best)
+  if has_ttt:
+    headers.insert(-1, "time to train min")
+  rows = []
+  for r in best:
+    s = r["search"]
+    memory = f"{r['memory_per_gpu_gb']:.1f} / {r['hbm_capacity_gb']:.0f}"
+    step = r["step_time_s"] if r["fits"] else f"does not fit: {r['over_capacity_gb']:.1f} GB over"
+    row = [s["tensor_parallel"], s["pipeline_parallel"], s["virtual_stages"], s["micro_batch"],
+           s["remat"], r["mesh"]["data"], step, memory, f"{r['mfu']:.1%}" if r["fits"] else "",
+           s["prior_rank"]]
+    if has_ttt:
+      row.insert(-1, r.get("time_to_train_min", ""))
+    rows.append(row)
+  print(table.columns(headers, rows))
+  print(f"best: --set {' --set '.join(best[0]['search']['set'])}")
 
 
 def _run_sweep() -> None:
@@ -344,6 +423,10 @@ def main(argv: list[str]) -> None:
     return
   if _MODE.value == "sweep":
     _run_sweep()
+    return
+  if _MODE.value == "search":
+    _run_search()
+    print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
     return
   if _MODE.value == "project":
     _print_projection(_run_projection())

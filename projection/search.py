@@ -1,0 +1,335 @@
+"""A search over parallelism configurations: the best few that fit, projected.
+
+For one experiment on N GPUs of one generation:
+
+1. Enumerate every (tensor parallel, pipeline parallel, virtual stages, micro-batch,
+   remat) in the space: tensor parallel over the divisors of the NVLink domain (8 on HGX,
+   72 on NVL72), pipeline and virtual stages over the divisors of the layer count
+   (virtual stages only with a pipeline), micro-batches over the divisors of the global
+   batch, every remat policy. Data parallelism takes the rest of the GPUs; fsdp, the
+   global batch and everything else stay as the experiment has them.
+2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
+   candidate that survives would compile: `project.plan` (the mesh on the cluster, the
+   NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
+   micro-batches for interleaving), and `train_step.build` on an abstract mesh (heads,
+   MLP width and vocabulary over tensor, sequence parallelism). The reason recorded is
+   the field the first failing check names. A candidate whose parameters and optimizer
+   state alone (exact, from their shardings) exceed the GPU's HBM is pruned too.
+3. Order the rest by a cheap analytic prior (`Prior`): first those estimated to fit,
+   then by estimated step time.
+4. Project candidates in that order (`project.project_on`, whose compiles are cached)
+   until `budget` compiles are spent. The best are the fastest projected ones that fit.
+
+The prior only orders; every reported number is a projection.
+"""
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterator
+
+import jax
+from jax.sharding import AbstractMesh, AxisType
+
+from errors import UserInputError
+from hardware.catalog import Hardware
+from model.config import REMAT_POLICIES
+from model.flops import param_count, train_flops_per_token
+from parallelism import pipeline
+from parallelism.mesh import AXES, MeshConfig
+from projection import layout, project
+from train import step as train_step
+
+GB = 1e9
+# Compiles per search by default: a GPT-3 175B compile takes 5-15 s here.
+DEFAULT_BUDGET = 12
+STATE_REASON = "memory: parameters and optimizer state over HBM"
+_FIELD = re.compile(r"\b(?:model|mesh|train)\.[a-z_]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  tensor_parallel: int
+  pipeline_parallel: int
+  virtual_stages: int
+  micro_batch: int
+  remat: str
+
+  def describe(self) -> str:
+    return (
+      f"TP {self.tensor_parallel}, PP {self.pipeline_parallel}, VS {self.virtual_stages}, "
+      f"micro-batch {self.micro_batch}, remat {self.remat}"
+    )
+
+  def assignments(self) -> tuple[str, ...]:
+    """The `--set` overrides that select this configuration (experiments/overrides.py)."""
+    schedule = "interleaved" if self.virtual_stages > 1 else "gpipe"
+    return (
+      f"tensor_parallel={self.tensor_parallel}",
+      f"pipeline_parallel={self.pipeline_parallel}",
+      f"virtual_stages={self.virtual_stages}",
+      f"train.pipeline_schedule={schedule}",
+      f"micro_batch={self.micro_batch}",
+      f"remat={self.remat}",
+    )
+
+  def apply(self, exp):
+    """`exp` with this configuration; data parallelism takes the remaining GPUs."""
+    fsdp = exp.mesh.fsdp if exp.mesh.fsdp > 0 else 1
+    mesh = dataclasses.replace(
+      exp.mesh, data=-1, fsdp=fsdp, tensor=self.tensor_parallel, pipeline=self.pipeline_parallel
+    )
+    train = dataclasses.replace(
+      exp.train,
+      micro_batch=self.micro_batch,
+      virtual_stages=self.virtual_stages,
+      pipeline_schedule="interleaved" if self.virtual_stages > 1 else "gpipe",
+    )
+    return dataclasses.replace(
+      exp, mesh=mesh, train=train, model=dataclasses.replace(exp.model, remat=self.remat)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Prior:
+  """A back-of-envelope estimate, used only to order candidates.
+
+  Memory: parameters and optimizer state per GPU, exact from their shardings; the
+  gradients, one copy of the parameters; saved activations, per layer and token: the
+  layer input (2 bytes x d_model) under full remat, the weight matmuls' outputs (9 x
+  d_model, float32 under FP8) under save_dots, 34 x d_model bytes without remat
+  (Korthikanti et al. 2022, flash attention), split over tensor parallelism with
+  sequence parallelism. A pipelined step keeps every micro-batch's activations of its
+  stage (the lockstep schedule runs all forward trips before the backward ones);
+  gradient accumulation keeps one micro-batch's.
+
+  Time: model FLOPs (x 4/3 under full remat) at the achievable matmul rate, stretched by
+  the pipeline's idle trips; each micro-batch reading its GPU's weights from HBM (3
+  passes, 4 with full remat); tensor-parallel activations (8 x d_model bytes per token
+  and layer, each way) over NVLink; the gradient all-reduce over the NICs.
+  """
+
+  state_gb: float
+  gradients_gb: float
+  activations_gb: float
+  step_s: float
+  bubble_fraction: float
+
+  @property
+  def memory_gb(self) -> float:
+    return self.state_gb + self.gradients_gb + self.activations_gb
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  hardware: str
+  gpus: int
+  candidates: int  # enumerated
+  pruned: dict[str, int]  # reason -> candidates, most first
+  examples: dict[str, str]  # reason -> the first such candidate's error
+  ranked: tuple[tuple[Candidate, Prior], ...]  # the survivors, in the order projected
+  records: tuple[dict, ...]  # projections, in the order made
+  compiles: int  # new compiles those projections needed
+
+  def best(self, top: int) -> list[dict]:
+    return best(self.records, top)
+
+
+def best(records: list[dict] | tuple[dict, ...], top: int) -> list[dict]:
+  """The `top` fastest records that fit; if none fits, the `top` least over capacity."""
+  fitting = sorted((r for r in records if r["fits"]), key=lambda r: r["step_time_s"])
+  if fitting:
+    return fitting[:top]
+  return sorted(records, key=lambda r: r["over_capacity_gb"])[:top]
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_space(exp, hw: Hardware) -> Iterator[Candidate]:
+  """Every candidate of the space (module docstring, step 1), before any check."""
+  layers = exp.model.num_layers
+  for tp in _divisors(hw.nvlink_domain_size):
+    for pp in _divisors(layers):
+      for vs in _divisors(layers) if pp > 1 else [1]:
+        for mb in _divisors(exp.train.global_batch):
+          for remat in REMAT_POLICIES:
+            yield Candidate(tp, pp, vs, mb, remat)
+
+
+def _reason(error: UserInputError) -> str:
+  """The configuration field a failed check names."""
+  found = _FIELD.search(str(error))
+  return found.group(0) if found else str(error)
+
+
+def _state_bytes_per_gpu(program: train_step.TrainProgram) -> int:
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves(program.abstract_state)
+  )
+
+
+def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> Prior:
+  """`Prior` of `exp` laid out as `reduced.target` on `hw`."""
+  model, sizes = exp.model, reduced.target.sizes
+  tp, pp, data, fsdp = sizes["tensor"], sizes["pipeline"], sizes["data"], sizes["fsdp"]
+  virtual = exp.train.virtual_stages if pp > 1 else 1
+  micro = reduced.micro_batches
+  per_replica_tokens = exp.train.global_batch // (data * fsdp) * model.seq_len
+  layers_per_gpu = model.num_layers / pp
+  d = model.d_model
+  shard = tp if model.sequence_parallel else 1
+  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * (4 if model.fp8 else 2), "none": 34 * d}[
+    model.remat
+  ] / shard
+  held_tokens = per_replica_tokens if pp > 1 else per_replica_tokens / micro
+  activations = held_tokens * layers_per_gpu * per_token_layer
+  weight_bytes = param_count(model) * jax.numpy.dtype(model.param_dtype).itemsize / (tp * pp * fsdp)
+
+  gpus = reduced.target.devices
+  flops = train_flops_per_token(model) * exp.train.global_batch * model.seq_len / gpus
+  flops *= 4 / 3 if model.remat == "full" else 1
+  rate = (hw.achievable_tflops("fp8") if model.fp8 else None) or hw.achievable_tflops("bf16")
+  bubble = pipeline.bubble_fraction(micro, pp, virtual) if pp > 1 else 0.0
+  compute_s = flops / (rate * 1e12) / (1 - bubble)
+  passes = 4 if model.remat == "full" else 3
+  hbm_s = micro * passes * weight_bytes / (hw.hbm_achievable_tb_s * 1e12)
+  tp_bytes = 2 * 8 * d * per_replica_tokens * layers_per_gpu * (tp - 1) / tp
+  tp_s = tp_bytes / (hw.allgather_ring_busbw_gb_s * 1e9) if tp > 1 else 0.0
+  dp_s = 2 * weight_bytes * (data - 1) / data / (hw.nic_gb_s_per_gpu * 1e9)
+  return Prior(
+    state_bytes / GB, weight_bytes / GB, activations / GB, compute_s + hbm_s + tp_s + dp_s, bubble
+  )
+
+
+def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+  return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+  candidates: int  # enumerated
+  pruned: dict[str, int]  # reason -> candidates, most first
+  examples: dict[str, str]  # reason -> the first such candidate's error
+  survivors: tuple[tuple[Candidate, Prior, layout.ReducedMesh], ...]  # in projection order
+
+
+def rank(exp, hw: Hardware, gpus: int) -> Ranking:
+  """Every candidate checked, the valid ones ordered by their prior."""
+  pruned: collections.Counter[str] = collections.Counter()
+  examples: dict[str, str] = {}
+  survivors = []
+  built: dict[tuple, int | UserInputError] = {}
+  total = 0
+  for candidate in enumerate_space(exp, hw):
+    total += 1
+    cand_exp = candidate.apply(exp)
+    try:
+      reduced = project.plan(cand_exp, hw, gpus)
+      stages = reduced.target.sizes["pipeline"]
+      if stages > 1:
+        pipeline.check(
+          cand_exp.model.num_layers, stages, candidate.virtual_stages, reduced.micro_batches
+        )
+      # The model's shapes over the model-parallel axes: once the checks above pass, the
+      # same for every micro-batch, virtual-stage count (a reordering of the layers) and
+      # remat policy, so built once per (fsdp, tensor, pipeline).
+      key = tuple(reduced.sizes[a] for a in AXES if a != "data")
+      if key not in built:
+        try:
+          train_cfg = dataclasses.replace(cand_exp.train, global_batch=reduced.global_batch)
+          program = train_step.build(cand_exp.model, train_cfg, _abstract_mesh(reduced.sizes))
+          built[key] = _state_bytes_per_gpu(program)
+        except UserInputError as e:
+          built[key] = e
+      if isinstance(built[key], UserInputError):
+        raise built[key]
+    except UserInputError as e:
+      pruned[_reason(e)] += 1
+      examples.setdefault(_reason(e), str(e))
+      continue
+    if built[key] > hw.hbm_bytes:
+      pruned[STATE_REASON] += 1
+      examples.setdefault(
+        STATE_REASON, f"{candidate.describe()}: {built[key] / GB:.1f} of {hw.hbm_bytes / GB:.1f} GB"
+      )
+      continue
+    survivors.append((candidate, prior(cand_exp, hw, reduced, built[key]), reduced))
+  capacity_gb = hw.hbm_bytes / GB
+  survivors.sort(key=lambda s: (s[1].memory_gb > capacity_gb, s[1].step_s))
+  return Ranking(total, dict(pruned.most_common()), examples, tuple(survivors))
+
+
+Projector = Callable[[object, Hardware, layout.ReducedMesh], dict]
+
+
+def check_point(hw_name: str, gpus: int) -> Hardware:
+  """The hardware, once the GPU count is a whole number of its nodes (any candidate's own
+  layout is checked by `rank`)."""
+  hw = project.hardware(hw_name, gpus)
+  layout.target_layout(MeshConfig(), gpus, hw.gpus_per_node, hw.nvlink_domain_size)
+  return hw
+
+
+def search(
+  exp,
+  hw_name: str,
+  gpus: int,
+  budget: int = DEFAULT_BUDGET,
+  projector: Projector = project.project_on,
+  progress: Callable[[int, int, Candidate], None] | None = None,
+  on_record: Callable[[dict], None] | None = None,
+) -> Result:
+  """Search `exp`'s parallelism on `gpus` GPUs of `hw_name`, projecting at most `budget`
+  candidates (tests pass a `projector` that does not compile). `progress(done, to_do,
+  candidate)` is called before each projection, `on_record(record)` after it."""
+  if budget < 1:
+    raise UserInputError(f"--search_budget must be a positive whole number, got {budget}")
+  hw = check_point(hw_name, gpus)
+  ranking = rank(exp, hw, gpus)
+  if not ranking.survivors:
+    reasons = "; ".join(f"{n} by {why}" for why, n in ranking.pruned.items())
+    raise UserInputError(
+      f"--gpus {gpus} on {hw.name}: none of the {ranking.candidates} "
+      f"parallelism configurations of {exp.name} is valid ({reasons})"
+    )
+  before = project.compile_step.cache_info().misses
+  records = []
+  chosen = ranking.survivors[:budget]
+  for i, (candidate, estimate, reduced) in enumerate(chosen):
+    if progress:
+      progress(i, len(chosen), candidate)
+    record = projector(candidate.apply(exp), hw, reduced)
+    record["search"] = {
+      "prior_rank": i,
+      "set": list(candidate.assignments()),
+      "tensor_parallel": candidate.tensor_parallel,
+      "pipeline_parallel": candidate.pipeline_parallel,
+      "virtual_stages": candidate.virtual_stages,
+      "micro_batch": candidate.micro_batch,
+      "remat": candidate.remat,
+      "prior_step_s": estimate.step_s,
+      "prior_memory_gb": estimate.memory_gb,
+      "prior_bubble_fraction": estimate.bubble_fraction,
+      "candidates": ranking.candidates,
+      "pruned": ranking.pruned,
+      "valid": len(ranking.survivors),
+      "budget": budget,
+    }
+    records.append(record)
+    if on_record:
+      on_record(record)
+  compiles = project.compile_step.cache_info().misses - before
+  return Result(
+    hw.name,
+    gpus,
+    ranking.candidates,
+    ranking.pruned,
+    ranking.examples,
+    tuple((c, p) for c, p, _ in ranking.survivors),
+    tuple(records),
+    compiles,
+  )

@@ -1,0 +1,207 @@
+"""The parallelism search (projection/search.py): enumeration against the shape rules,
+pruning, the prior's order, the budget, the ranking, and launch.py's search mode.
+
+Only the launch.py test compiles (one deviceless compile of the tiny experiment); the
+others rank candidates (no compile) or project with a stand-in projector.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from errors import UserInputError
+from experiments import ExperimentConfig
+from hardware import catalog
+from model.config import REMAT_POLICIES, ModelConfig
+from parallelism.mesh import MeshConfig
+from projection import search, targets
+from train.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CUDA, _WHY = targets.cuda_available()
+H100 = catalog.get("h100")
+
+# 4 layers, 2 heads on one 8-GPU H100 node: tensor 4 and 8 break the heads, pipeline x
+# virtual stages 8 and up break the layers, and the 16 sequences break most micro-batches.
+SMALL = ExperimentConfig(
+  name="small",
+  description="search tests",
+  model=ModelConfig(
+    name="small",
+    num_layers=4,
+    d_model=128,
+    num_heads=2,
+    head_dim=64,
+    seq_len=128,
+    vocab_size=256,
+    compute_dtype="bfloat16",
+  ),
+  mesh=MeshConfig(data=-1),
+  train=TrainConfig(global_batch=16),
+)
+
+
+def _valid_by_the_rules(c: search.Candidate, gpus: int = 8) -> bool:
+  """The shape rules, written out independently of the checks the search reuses."""
+  m, t = SMALL.model, SMALL.train
+  tp, pp, vs, mb = c.tensor_parallel, c.pipeline_parallel, c.virtual_stages, c.micro_batch
+  if m.num_heads % tp or H100.nvlink_domain_size % tp or gpus % (tp * pp):
+    return False
+  if m.num_layers % (pp * vs):
+    return False
+  data = gpus // (tp * pp)
+  if t.global_batch % (data * mb):
+    return False
+  micro_batches = t.global_batch // data // mb
+  return vs == 1 or micro_batches >= pp
+
+
+def test_enumeration_and_pruning_follow_the_shape_rules():
+  ranking = search.rank(SMALL, H100, 8)
+  space = list(search.enumerate_space(SMALL, H100))
+  # TP over the divisors of the NVLink domain, PP and VS over those of the layers (VS only
+  # with a pipeline), micro-batches over the divisors of the global batch, every remat.
+  assert ranking.candidates == len(space) == 4 * (1 + 2 * 3) * 5 * len(REMAT_POLICIES)
+  survivors = [c for c, _, _ in ranking.survivors]
+  assert set(survivors) == {c for c in space if _valid_by_the_rules(c)}
+  assert len(survivors) + sum(ranking.pruned.values()) == ranking.candidates
+  # Each pruned candidate counts once, under the field its first failing check names.
+  assert set(ranking.pruned) == {
+    "mesh.data",
+    "model.num_heads",
+    "model.num_layers",
+    "train.micro_batch",
+    "train.virtual_stages",
+  }
+  assert (
+    "model.num_heads = 2 does not divide over mesh tensor = 4"
+    in (ranking.examples["model.num_heads"])
+  )
+  assert all(c.tensor_parallel <= 2 for c in survivors)
+  # The prior: those estimated to fit first, each group by estimated step time.
+  keys = [(p.memory_gb > H100.hbm_bytes / 1e9, p.step_s) for _, p, _ in ranking.survivors]
+  assert keys == sorted(keys)
+  bubbles = {
+    (c.pipeline_parallel, c.virtual_stages, c.micro_batch): p.bubble_fraction
+    for c, p, _ in ranking.survivors
+  }
+  assert bubbles[(2, 1, 1)] == pytest.approx(1 / 5)  # 4 micro-batches: (P-1) / (M V + P - 1)
+  assert bubbles[(1, 1, 1)] == 0
+
+
+def test_state_over_hbm_is_pruned():
+  # HBM for a third of the unsharded parameters and optimizer state: only layouts that
+  # split the layers 4 ways hold them (the embeddings are not split over the pipeline).
+  whole = next(
+    p.state_gb
+    for c, p, _ in search.rank(SMALL, H100, 8).survivors
+    if (c.tensor_parallel, c.pipeline_parallel) == (1, 1)
+  )
+  small = dataclasses.replace(H100, hbm_gib=whole / 3 * 1e9 / 2**30)
+  ranking = search.rank(SMALL, small, 8)
+  assert ranking.pruned[search.STATE_REASON] > 0
+  assert ranking.survivors
+  assert all(c.tensor_parallel * c.pipeline_parallel >= 4 for c, _, _ in ranking.survivors)
+  assert all(p.state_gb <= small.hbm_bytes / 1e9 for _, p, _ in ranking.survivors)
+
+
+def _fake_projector(fitting_remat: set[str]):
+  """Records without a compile: fitting for the given remat policies, a made-up step time
+  that orders them otherwise than the prior does."""
+
+  def project(exp, hw, reduced):
+    fits = exp.model.remat in fitting_remat
+    record = {
+      "fits": fits,
+      "mesh": reduced.target.sizes,
+      "memory_per_gpu_gb": 1.0,
+      "hbm_capacity_gb": hw.hbm_bytes / 1e9,
+    }
+    if fits:
+      record["step_time_s"] = 1.0 + 0.1 * exp.train.micro_batch + (exp.model.remat == "full")
+    else:
+      record["over_capacity_gb"] = float(exp.train.micro_batch)
+    return record
+
+  return project
+
+
+def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first():
+  appended = []
+  found = search.search(
+    SMALL,
+    "h100",
+    8,
+    budget=7,
+    projector=_fake_projector({"save_dots", "full"}),
+    on_record=appended.append,
+  )
+  assert len(found.records) == 7 and found.compiles == 0
+  assert appended == list(found.records)
+  # Projected in prior order, each record marked as a search point.
+  assert [r["search"]["prior_rank"] for r in found.records] == list(range(7))
+  assert [r["search"]["set"] for r in found.records] == [
+    list(c.assignments()) for c, _ in found.ranked[:7]
+  ]
+  assert all(r["search"]["valid"] == len(found.ranked) for r in found.records)
+  fitting = [r for r in found.records if r["fits"]]
+  assert 2 < len(fitting) < 7
+  best = found.best(2)
+  assert best == sorted(fitting, key=lambda r: r["step_time_s"])[:2]
+  assert all(best[0]["step_time_s"] <= r["step_time_s"] for r in fitting)
+  assert best[0]["search"]["prior_rank"] > 0  # the fastest, not the prior's first
+  # Nothing fits: the least over capacity.
+  found = search.search(SMALL, "h100", 8, budget=3, projector=_fake_projector(set()))
+  assert len(found.records) == 3 and not any(r["fits"] for r in found.records)
+  over = [r["over_capacity_gb"] for r in found.best(3)]
+  assert over == sorted(over)
+
+
+def test_no_valid_configuration_is_bad_input():
+  one = dataclasses.replace(
+    SMALL, mesh=MeshConfig(data=-1, fsdp=2), train=dataclasses.replace(SMALL.train, global_batch=1)
+  )
+  with pytest.raises(UserInputError, match="--gpus 8 on h100: none of the .* is valid"):
+    search.search(one, "h100", 8, budget=1, projector=_fake_projector(set()))
+
+
+def _launch(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  return subprocess.run(
+    [sys.executable, "launch.py", "--mode=search", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_search_mode_prints_the_best_and_appends_search_points(tmp_path):
+  out = _launch(
+    "--experiment=tiny",
+    "--hardware=h100",
+    "--gpus=8",
+    "--search_budget=1",
+    "--top=1",
+    f"--output_dir={tmp_path}",
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "projected in prior order (1 new compiles)" in out.stdout
+  assert "best: --set tensor_parallel=" in out.stdout
+  (record,) = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+  assert record["mode"] == "project" and record["search"]["prior_rank"] == 0
+  assert record["fits"] and record["step_time_s"] > 0
+
+
+def test_search_bad_gpu_count_is_one_line_and_exit_2(tmp_path):
+  out = _launch("--experiment=tiny", "--hardware=h100", "--gpus=12", f"--output_dir={tmp_path}")
+  assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+  lines = out.stderr.strip().splitlines()
+  assert lines == ["error: --gpus 12 is not a whole number of 8-GPU nodes"]
+  assert not (tmp_path / "results.jsonl").exists()
