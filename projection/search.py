@@ -98,7 +98,7 @@ class Prior:
   Memory: parameters and optimizer state per GPU, exact from their shardings; the
   gradients, one copy of the parameters; saved activations, per layer and token: the
   layer input (2 bytes x d_model) under full remat, the weight matmuls' outputs (9 x
-  d_model, float32 under FP8) under save_dots, 34 x d_model bytes without remat
+  d_model, bf16; FP8 products are bf16 too) under save_dots, 34 x d_model bytes without remat
   (Korthikanti et al. 2022, flash attention), split over tensor parallelism with
   sequence parallelism. A pipelined step keeps every micro-batch's activations of its
   stage (the lockstep schedule runs all forward trips before the backward ones);
@@ -182,7 +182,7 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   layers_per_gpu = model.num_layers / pp
   d = model.d_model
   shard = tp if model.sequence_parallel else 1
-  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * (4 if model.fp8 else 2), "none": 34 * d}[
+  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "none": 34 * d}[
     model.remat
   ] / shard
   held_tokens = per_replica_tokens if pp > 1 else per_replica_tokens / micro
