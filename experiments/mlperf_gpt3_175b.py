@@ -118,16 +118,15 @@ def _published(
 # "Calibration: missed, and why"): no efficiency parameter of hardware/catalog.py is fitted
 # to these points. The published step is about 0.97 s at 10,752 GPUs and 9.6 s at 512
 # (3.92 and 49.80 min over 220 + 22 and 288 + 24 step-equivalents of training and
-# evaluation); the projection's FP8 matmuls at the catalog's measured 1,403 TFLOP/s take
-# 0.43 and 6.6 s of it, as the model's FLOPs say they should (0.39 and 6.2 s, plus the
-# idle trips and the bf16 head). The rest of the projected step (1.54 and 23.4 s, +58%
-# and +144% time to train, 512 not fitting in 80 GB) is work the published runs do not
-# do or hide: per-trip rewrites of the whole weight-gradient stack, per-trip FP8 weight
-# casts, whole-buffer copies, and collectives that the lockstep pipeline leaves exposed.
-# Without them the two points land at -25% and +7% (all exposed communication hidden)
-# or +26% and +38% (none hidden): the residual is not one factor, so no single HBM or
-# matmul efficiency per generation could fit both; fitting one would only absorb the
-# program's overheads into the hardware figures.
+# evaluation); the projection's FLOP-bound work at the catalog's measured FP8 rate is
+# 0.43 and 6.5 s of it, as the model's FLOPs say it should be. The rest of the projected
+# step (1.37 and 17.8 s: +40% and +85% time to train, 512 needing 425 of 80 GB) is work the
+# published runs do not do or hide: every trip's activations kept by the lockstep
+# schedule, FP8 activation casts in passes of their own, layout copies, and collectives
+# the loops leave exposed. Less the named overheads the points are +30% and +57%: the
+# residual is not one factor, so no single HBM or matmul efficiency per generation could
+# fit both; fitting one would only absorb the program's overheads into the hardware
+# figures.
 PUBLISHED = {
   "eos_10752": (10752, _published("eos_10752", 10752, 4, 8, 12, 1, 2688, "v3.1, 3.92 min")),
   "eos_512": (512, _published("eos_512", 512, 4, 8, 6, 2, 2048, "v4.1, 49.80 min")),
