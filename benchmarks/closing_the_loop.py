@@ -7,14 +7,17 @@ projects it with the `host` profile for that many active devices (projection/pro
 hardware/host.py: `launch.py --mode=project --hardware=host --gpus=N`), then prints
 measured median, projected time and error for each.
 
-  python benchmarks/closing_the_loop.py             # every configuration, ~4-5 minutes
+  python benchmarks/closing_the_loop.py             # every configuration, ~5-10 minutes
   python benchmarks/closing_the_loop.py --only=fsdp --cached
 
-Each host profile is measured (and cached: ~/.cache/jax-scaling/host_profile.json or
-$JAX_SCALING_HOST_PROFILE) just before the steps it projects, so that both see similar
-load from other processes; --cached uses the cached profiles instead. On a machine
-shared with other jobs the load still changes between a profile (~15 s) and the steps,
-and errors move by tens of percent from run to run: compare several runs.
+The host profile of each configuration is measured alongside its steps, in the same
+process: one round of the profile's micro-benchmarks (hardware/host.py's `Profiler`, a
+train/loop.py step hook) before every step, outside the step's clock, and the medians of
+both. Load from other processes on the shared cores then falls on the profile and the
+steps alike, instead of on whichever ran when the machine was busier. Each profile is
+stored in the cache (~/.cache/jax-scaling/host_profile.json or
+$JAX_SCALING_HOST_PROFILE), so `launch.py --mode=project --hardware=host` uses the latest;
+--cached projects with the cached profiles instead of measuring them now.
 """
 
 import argparse
@@ -37,6 +40,7 @@ import numpy as np  # noqa: E402
 
 import experiments  # noqa: E402
 from hardware import host  # noqa: E402
+from hardware.catalog import Hardware  # noqa: E402
 from parallelism import mesh as mesh_lib  # noqa: E402
 from parallelism.mesh import MeshConfig  # noqa: E402
 from projection import project  # noqa: E402
@@ -57,25 +61,26 @@ class Point:
 # On 2 devices launch.py's emulated nodes hold one device each, so tensor = 2 needs
 # devices_per_node = 2 (one node) to stay inside an "NVLink" domain.
 POINTS = (
-    Point("1 device", 1, MeshConfig(data=1)),
-    Point("data 2", 2, MeshConfig(data=2)),
-    Point("fsdp 2", 2, MeshConfig(data=1, fsdp=2)),
-    Point("tensor 2", 2, MeshConfig(data=1, tensor=2, devices_per_node=2)),
-    Point("data 4", 4, MeshConfig(data=4)),
-    Point("fsdp 4", 4, MeshConfig(data=1, fsdp=4)),
-    Point("data 2 x tensor 2", 4, MeshConfig(data=2, tensor=2)),
-    Point("data 8", 8, MeshConfig(data=8)),
-    Point("fsdp 8", 8, MeshConfig(data=1, fsdp=8)),
-    Point("data 2 x fsdp 2 x tensor 2", 8, MeshConfig(data=2, fsdp=2, tensor=2)),
+  Point("1 device", 1, MeshConfig(data=1)),
+  Point("data 2", 2, MeshConfig(data=2)),
+  Point("fsdp 2", 2, MeshConfig(data=1, fsdp=2)),
+  Point("tensor 2", 2, MeshConfig(data=1, tensor=2, devices_per_node=2)),
+  Point("data 4", 4, MeshConfig(data=4)),
+  Point("fsdp 4", 4, MeshConfig(data=1, fsdp=4)),
+  Point("data 2 x tensor 2", 4, MeshConfig(data=2, tensor=2)),
+  Point("data 8", 8, MeshConfig(data=8)),
+  Point("fsdp 8", 8, MeshConfig(data=1, fsdp=8)),
+  Point("data 2 x fsdp 2 x tensor 2", 8, MeshConfig(data=2, fsdp=2, tensor=2)),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
   point: Point
-  measured_s: float        # median step time
+  measured_s: float  # median step time
   measured_min_s: float
   projected_s: float
+  profile: Hardware  # the host profile it was projected with
 
   @property
   def error(self) -> float:
@@ -94,75 +99,104 @@ def experiment(point: Point, steps: int = 10) -> experiments.ExperimentConfig:
   return dataclasses.replace(exp, mesh=point.mesh, train=train)
 
 
-def measure(exp: experiments.ExperimentConfig, devices: int) -> list[float]:
+def measure(exp: experiments.ExperimentConfig, devices: int, hooks=()) -> list[float]:
   """Step times as `launch.py --mode=benchmark --devices=N` measures them."""
   layout = mesh_lib.plan(exp.mesh, devices)
   mesh = mesh_lib.build_mesh(layout, jax.devices()[:devices])
   program = train_step.build(exp.model, exp.train, mesh)
-  return loop.run(program, exp.model, exp.train).step_times_s
+  return loop.run(program, exp.model, exp.train, hooks=hooks).step_times_s
 
 
-def compare(point: Point, steps: int = 10) -> Result:
+def compare(
+  point: Point, steps: int = 10, profiler: host.Profiler | None = None, cached: bool = False
+) -> Result:
+  """Measure the point's steps and project them. The host profile is measured alongside
+  the steps (a profile round before each, outside its clock: other processes' load falls
+  on both alike) and stored in the cache; `cached` projects with the cached profile."""
   exp = experiment(point, steps)
-  projected = project.project(exp, "host", point.devices)["step_time_s"]
-  times = measure(exp, point.devices)
-  return Result(point, float(np.median(times)), float(np.min(times)), projected)
+  if cached:
+    times = measure(exp, point.devices)
+    hw = project.hardware("host", point.devices)
+  else:
+    profiler = profiler or host.Profiler(point.devices)
+    profiler.reset()
+    times = measure(exp, point.devices, hooks=[profiler])
+    hw = profiler.hardware()
+  projected = project.project_on(exp, hw, project.plan(exp, hw, point.devices))["step_time_s"]
+  return Result(point, float(np.median(times)), float(np.min(times)), projected, hw)
 
 
-def profile_rows(counts: list[int]) -> list[str]:
-  """Each host profile's per-device figures, and matmul and memory times devices: how
-  far the machine-wide rates are from the one-device ones."""
-  lines = [f"{'devices':>7} {'matmul GFLOP/s':>14} {'(x devices)':>11} {'memory GB/s':>11} "
-           f"{'(x devices)':>11} {'op overhead us':>14} {'collective base + hop us':>24} "
-           f"{'all-reduce busbw GB/s':>21}"]
-  for n in counts:
-    hw = host.host_profile(devices=n)
-    matmul, memory = hw.achievable_f32_tflops * 1e3, hw.hbm_achievable_tb_s * 1e3
-    latency = (f"{hw.protocols[0].base_us:.0f} + {hw.protocols[0].nvlink_hop_us:.0f}"
-               if n > 1 else "-")
+def profile_rows(results: list[Result]) -> list[str]:
+  """The host profile each configuration was projected with (per device, with that many
+  devices active): matmul rate, streaming and step bandwidth, per-op overhead, collective
+  latency and bandwidth."""
+  lines = [
+    f"{'configuration':<28} {'matmul GFLOP/s':>14} {'stream GB/s':>11} {'step GB/s':>9} "
+    f"{'op overhead us':>14} {'collective base + hop us':>24} "
+    f"{'all-reduce busbw GB/s':>21}"
+  ]
+  for r in results:
+    hw, n = r.profile, r.point.devices
+    latency = (
+      f"{hw.protocols[0].base_us:.0f} + {hw.protocols[0].nvlink_hop_us:.0f}" if n > 1 else "-"
+    )
     busbw = f"{hw.allreduce_ring_busbw_gb_s:.1f}" if n > 1 else "-"
-    lines.append(f"{n:>7} {matmul:>14.1f} {matmul * n:>11.1f} {memory:>11.1f} "
-                 f"{memory * n:>11.1f} {hw.kernel_launch_us:>14.1f} {latency:>24} {busbw:>21}")
+    lines.append(
+      f"{r.point.name:<28} {hw.achievable_f32_tflops * 1e3:>14.1f} "
+      f"{hw.hbm_peak_tb_s * 1e3:>11.1f} {hw.hbm_achievable_tb_s * 1e3:>9.2f} "
+      f"{hw.kernel_launch_us:>14.1f} {latency:>24} {busbw:>21}"
+    )
   return lines
 
 
 def table(results: list[Result]) -> str:
-  rows = [f"{'configuration':<28} {'devices':>7} {'measured median s':>18} {'projected s':>12} "
-          f"{'error':>8}   {'measured min s':>14} {'error vs min':>12}"]
+  rows = [
+    f"{'configuration':<28} {'devices':>7} {'measured median s':>18} {'projected s':>12} "
+    f"{'error':>8}   {'measured min s':>14} {'error vs min':>12}"
+  ]
   for r in results:
     flag = "" if abs(r.error) <= TARGET_ERROR else " *"
-    rows.append(f"{r.point.name:<28} {r.point.devices:>7} {r.measured_s:>18.4f} "
-                f"{r.projected_s:>12.4f} {r.error:>+8.1%}{flag:2} {r.measured_min_s:>14.4f} "
-                f"{r.error_vs_min:>+12.1%}")
+    rows.append(
+      f"{r.point.name:<28} {r.point.devices:>7} {r.measured_s:>18.4f} "
+      f"{r.projected_s:>12.4f} {r.error:>+8.1%}{flag:2} {r.measured_min_s:>14.4f} "
+      f"{r.error_vs_min:>+12.1%}"
+    )
   return "\n".join(rows) + f"\n* misses the {TARGET_ERROR:.0%} target"
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
+  parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
   parser.add_argument("--only", default="", help="run the configurations whose name has this")
-  parser.add_argument("--cached", action="store_true",
-                      help="use cached host profiles instead of measuring them now")
+  parser.add_argument(
+    "--cached", action="store_true", help="use cached host profiles instead of measuring them now"
+  )
   args = parser.parse_args()
   points = [p for p in POINTS if args.only in p.name]
-  counts = sorted({p.devices for p in points})
   load = os.getloadavg()[0]
-  results = []
-  for n in counts:  # each profile just before the steps it projects: similar load
-    host.host_profile(refresh=not args.cached, devices=n)
-    for point in (p for p in points if p.devices == n):
-      results.append(compare(point, args.steps))
-      print(f"  {point.name}: measured {results[-1].measured_s:.4f} s, "
-            f"projected {results[-1].projected_s:.4f} s", flush=True)
+  results, profiler = [], None
+  for point in sorted(points, key=lambda p: p.devices):
+    if not args.cached and (profiler is None or profiler.devices != point.devices):
+      profiler = host.Profiler(point.devices)  # compiled once per active-device count
+    results.append(compare(point, args.steps, profiler, args.cached))
+    print(
+      f"  {point.name}: measured {results[-1].measured_s:.4f} s, "
+      f"projected {results[-1].projected_s:.4f} s (load average "
+      f"{os.getloadavg()[0]:.1f})",
+      flush=True,
+    )
   print("\nhost profiles (per device, with that many devices active):")
-  print("\n".join(profile_rows(counts)))
-  print(f"\n{args.steps} timed steps per configuration; load average "
-        f"{load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+  print("\n".join(profile_rows(results)))
+  print(
+    f"\n{args.steps} timed steps per configuration; load average "
+    f"{load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+  )
   print(table(results))
   misses = [r for r in results if abs(r.error) > TARGET_ERROR]
-  print(f"\n{len(results) - len(misses)} of {len(results)} within {TARGET_ERROR:.0%}"
-        + (f"; misses: {', '.join(f'{r.point.name} {r.error:+.0%}' for r in misses)}"
-           if misses else ""))
+  print(
+    f"\n{len(results) - len(misses)} of {len(results)} within {TARGET_ERROR:.0%}"
+    + (f"; misses: {', '.join(f'{r.point.name} {r.error:+.0%}' for r in misses)}" if misses else "")
+  )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Closing the loop, reduced: host-CPU steps projected with the host profile against the
 same steps measured (benchmarks/closing_the_loop.py runs every configuration and holds
-the 25% claim; this is a coarse guard that still fails if the projection is 2.5x off)."""
+the 25% claim; this is a coarse guard that still fails if the projection is 2x off)."""
 
 import pytest
 
@@ -8,41 +8,57 @@ from benchmarks import closing_the_loop
 from hardware import catalog, host
 from projection import project
 
-# Two meshes with collectives (fsdp: gathers and reductions every layer; tensor: the
-# activations' all-reduces) on two devices, so one host profile serves both.
-POINTS = [p for p in closing_the_loop.POINTS if p.name in ("fsdp 2", "tensor 2")]
-# Projected over measured median step time must lie between these: wide enough for a
-# machine shared with other jobs (a busy 2-core machine has shown 0.51), narrow enough
-# that a projection off by 2.5x either way fails.
-LOW, HIGH = 0.4, 2.5
+# One mesh with collectives (fsdp: gathers and reductions every layer) on two devices: each
+# point compiles its train step twice (measured and projected), the cost of this test.
+POINTS = [p for p in closing_the_loop.POINTS if p.name == "fsdp 2"]
+# Projected over measured median step time must lie between these: the profile is
+# measured alongside the steps, so load from other jobs falls on both, but the quick
+# profile's 8 rounds are noisy (runs at load average 7-8 have shown 0.8-1.3); a
+# projection off by 2x either way fails.
+LOW, HIGH = 0.5, 2.0
 
 
 @pytest.fixture(scope="module")
-def host_cache(tmp_path_factory):
-  """A fresh host profile for 2 active devices in a private cache, measured now (the
-  same load as the steps) and used by projection/project.py through catalog.get."""
+def profiler(tmp_path_factory):
+  """The quick host profile's programs for 2 active devices, run alongside each point's
+  steps (as closing_the_loop.py runs the full one); profiles go to a private cache."""
   path = tmp_path_factory.mktemp("host") / "host_profile.json"
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv(host.CACHE_ENV, str(path))
-    host.host_profile(devices=2)
-    yield path
+    yield host.Profiler(2, quick=True)
 
 
 @pytest.mark.parametrize("point", POINTS, ids=lambda p: p.name)
-def test_projected_step_time_is_close_to_the_measured_one(point, host_cache):
-  result = closing_the_loop.compare(point, steps=6)
+def test_projected_step_time_is_close_to_the_measured_one(point, profiler):
+  result = closing_the_loop.compare(point, steps=6, profiler=profiler)
   assert LOW < result.projected_s / result.measured_s < HIGH, (
-      "\n" + closing_the_loop.table([result]))
+    "\n"
+    + closing_the_loop.table([result])
+    + "\n"
+    + "\n".join(closing_the_loop.profile_rows([result]))
+  )
+  # The step bandwidth reproduces the reference program's measured time, and a step's
+  # ops get no more than the streaming op.
+  figures = profiler.figures()
+  assert result.profile.hbm_achievable_tb_s <= result.profile.hbm_peak_tb_s
+  if result.profile.hbm_achievable_tb_s < result.profile.hbm_peak_tb_s:
+    assert figures["reference_modelled_s"] == pytest.approx(figures["reference_s"], rel=1e-3)
 
 
 def _fake_measure(quick, devices):
-  return {"matmul_float32_gflops": {"256x256x256": 10.0 / devices},
-          "matmul_bfloat16_gflops": {"256x256x256": 5.0 / devices},
-          "memory_gb_s": 8.0 / devices, "memory_per_device_gib": 4.0 / devices,
-          "op_overhead_us": 20.0, "allreduce_alpha_s": 2e-5 * devices,
-          "allreduce_beta_s_per_byte": 1e-10 * devices, "allgather_alpha_s": 2e-5 * devices,
-          "allgather_beta_s_per_byte": 1e-10 * devices, "collective_base_s": 1e-5,
-          "collective_hop_s": 5e-6}
+  return {
+    "matmul_float32_gflops": {"256x256x256": 10.0 / devices},
+    "matmul_bfloat16_gflops": {"256x256x256": 5.0 / devices},
+    "memory_gb_s": 8.0 / devices,
+    "memory_per_device_gib": 4.0 / devices,
+    "op_overhead_us": 20.0,
+    "allreduce_alpha_s": 2e-5 * devices,
+    "allreduce_beta_s_per_byte": 1e-10 * devices,
+    "allgather_alpha_s": 2e-5 * devices,
+    "allgather_beta_s_per_byte": 1e-10 * devices,
+    "collective_base_s": 1e-5,
+    "collective_hop_s": 5e-6,
+  }
 
 
 def test_profile_is_per_active_device_count(tmp_path, monkeypatch):
