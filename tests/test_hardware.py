@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -98,10 +97,7 @@ def test_host_profile_measures_caches_and_reloads(tmp_path, monkeypatch):
     from hardware import host
 
     path = tmp_path / "host_profile.json"
-    t0 = time.perf_counter()
     hw = host.host_profile(cache_path=path, quick=True)
-    first_s = time.perf_counter() - t0
-    assert first_s < 20
     assert isinstance(hw, Hardware) and hw.name == "host"
     assert hw.gpus_per_node == hw.nvlink_domain_size == 1  # one active device by default
     for value in (hw.peak_bf16_tflops, hw.achievable_f32_tflops, hw.hbm_peak_tb_s,
@@ -121,9 +117,7 @@ def test_host_profile_measures_caches_and_reloads(tmp_path, monkeypatch):
         raise AssertionError("re-measured despite the cache")
 
     monkeypatch.setattr(host, "_measure", no_measure)
-    t0 = time.perf_counter()
     again = host.host_profile(cache_path=path, quick=True)
-    assert time.perf_counter() - t0 < 0.5
     assert again == hw
     # A full profile is not satisfied by a cached quick one; refresh forces a run.
     with pytest.raises(AssertionError, match="re-measured"):
