@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model import fp8
+from model import matmul as dense
 from model.config import ModelConfig
 from parallelism import sequence
 from parallelism.rules import constrain
@@ -106,7 +107,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   the sequence (and the next region's input an all-gather).
   """
   residual = residual_axes(cfg)
-  matmul = fp8.einsum if cfg.fp8 else jnp.einsum
+  matmul = fp8.einsum if cfg.fp8 else dense.einsum
 
   def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
     if cfg.sequence_parallel:
