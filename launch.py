@@ -361,13 +361,14 @@ def _run_search() -> None:
 
 
 def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_s: float) -> None:
-  pruned = sum(found.pruned.values())
+  ranking = found.ranking
+  pruned = sum(ranking.pruned.values())
   print(f"\n{exp.name}: {exp.model.name} on {found.gpus} {found.hardware}, global batch "
         f"{exp.train.global_batch} x {exp.model.seq_len} tokens; searched in {wall_s:.0f} s")
-  print(f"{found.candidates:,} configurations, {pruned:,} pruned, {len(found.ranked):,} valid; "
+  print(f"{ranking.candidates:,} configurations, {pruned:,} pruned, {len(ranking.survivors):,} valid; "
         f"{len(found.records)} projected in prior order ({found.compiles} new compiles)")
-  for reason, count in found.pruned.items():
-    print(f"  pruned {count:>6,}: {reason} (e.g. {found.examples[reason]})")
+  for reason, count in ranking.pruned.items():
+    print(f"  pruned {count:>6,}: {reason} (e.g. {ranking.examples[reason]})")
   best = found.best(_TOP.value)
   fitting = best and best[0]["fits"]
   if not fitting:

@@ -125,23 +125,16 @@ class Prior:
 class Result:
   hardware: str
   gpus: int
-  candidates: int  # enumerated
-  pruned: dict[str, int]  # reason -> candidates, most first
-  examples: dict[str, str]  # reason -> the first such candidate's error
-  ranked: tuple[tuple[Candidate, Prior], ...]  # the survivors, in the order projected
+  ranking: "Ranking"  # every candidate checked; the survivors in the order projected
   records: tuple[dict, ...]  # projections, in the order made
   compiles: int  # new compiles those projections needed
 
   def best(self, top: int) -> list[dict]:
-    return best(self.records, top)
-
-
-def best(records: list[dict] | tuple[dict, ...], top: int) -> list[dict]:
-  """The `top` fastest records that fit; if none fits, the `top` least over capacity."""
-  fitting = sorted((r for r in records if r["fits"]), key=lambda r: r["step_time_s"])
-  if fitting:
-    return fitting[:top]
-  return sorted(records, key=lambda r: r["over_capacity_gb"])[:top]
+    """The `top` fastest records that fit; if none fits, the `top` least over capacity."""
+    fitting = sorted((r for r in self.records if r["fits"]), key=lambda r: r["step_time_s"])
+    if fitting:
+      return fitting[:top]
+    return sorted(self.records, key=lambda r: r["over_capacity_gb"])[:top]
 
 
 def _divisors(n: int) -> list[int]:
@@ -323,13 +316,4 @@ def search(
     if on_record:
       on_record(record)
   compiles = project.compile_step.cache_info().misses - before
-  return Result(
-    hw.name,
-    gpus,
-    ranking.candidates,
-    ranking.pruned,
-    ranking.examples,
-    tuple((c, p) for c, p, _ in ranking.survivors),
-    tuple(records),
-    compiles,
-  )
+  return Result(hw.name, gpus, ranking, tuple(records), compiles)

@@ -145,9 +145,9 @@ def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first():
   # Projected in prior order, each record marked as a search point.
   assert [r["search"]["prior_rank"] for r in found.records] == list(range(7))
   assert [r["search"]["set"] for r in found.records] == [
-    list(c.assignments()) for c, _ in found.ranked[:7]
+    list(c.assignments()) for c, _, _ in found.ranking.survivors[:7]
   ]
-  assert all(r["search"]["valid"] == len(found.ranked) for r in found.records)
+  assert all(r["search"]["valid"] == len(found.ranking.survivors) for r in found.records)
   fitting = [r for r in found.records if r["fits"]]
   assert 2 < len(fitting) < 7
   best = found.best(2)
