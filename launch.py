@@ -188,13 +188,15 @@ def _pipeline_record(exp: experiments.ExperimentConfig, stages: int, micro_batch
   if stages == 1:
     return {}
   virtual = exp.train.virtual_stages
+  passes = pipeline.passes(exp.train.pipeline_passes, micro_batches, stages)
+  per_pass = micro_batches // passes
   record = {"pipeline_schedule": exp.train.pipeline_schedule, "virtual_stages": virtual,
-            "micro_batches": micro_batches,
-            "pipeline_trips": pipeline.trips(micro_batches, stages, virtual),
-            "bubble_fraction": pipeline.bubble_fraction(micro_batches, stages, virtual)}
+            "micro_batches": micro_batches, "pipeline_passes": passes,
+            "pipeline_trips": passes * pipeline.trips(per_pass, stages, virtual),
+            "bubble_fraction": pipeline.bubble_fraction(per_pass, stages, virtual)}
   print(table.key_values("Pipeline", [
       ("schedule", f"{record['pipeline_schedule']}, {stages} stages x {virtual} virtual"),
-      ("micro-batches", f"{micro_batches} per data-parallel replica"),
+      ("micro-batches", f"{micro_batches} per data-parallel replica, in {passes} pass(es)"),
       ("loop trips", f"{record['pipeline_trips']}, bubble {record['bubble_fraction']:.1%}")]))
   return record
 

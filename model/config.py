@@ -9,8 +9,8 @@ from typing import Literal
 
 from errors import UserInputError
 
-RematPolicy = Literal["none", "full", "save_dots"]
-REMAT_POLICIES = ("none", "full", "save_dots")
+RematPolicy = Literal["none", "full", "save_dots", "elementwise"]
+REMAT_POLICIES = ("none", "full", "save_dots", "elementwise")
 DTYPES = ("float32", "bfloat16")
 # xla: softmax attention as written (the [B, H, T, T] scores go through HBM); cudnn:
 # cuDNN's fused flash attention (jax.nn.dot_product_attention), NVIDIA GPUs only - what

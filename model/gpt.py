@@ -17,12 +17,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from model import fp8
 from model import matmul as dense
 from model.config import ModelConfig
 from parallelism import sequence
 from parallelism.rules import constrain
 
+SAVED_NAMES = ("mid_residual", "qkv", "attention", "fc1")
 _REMAT = {
     # No matmul is recomputed, but LayerNorm, GELU and softmax are: their intermediates
     # would otherwise be stacked over layers by the scan, written in the forward pass
@@ -32,6 +35,7 @@ _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "elementwise": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
 }
 
 
@@ -121,15 +125,16 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   qkv_axes = ("batch", "length", "qkv", "act_heads", None)
   qkv = tensor_parallel("btd,dchk->btchk", h, p["qkv_kernel"], residual,
                         ("embed", "qkv", "heads", "kv"), qkv_axes)
-  qkv = constrain(qkv + p["qkv_bias"], qkv_axes)
-  a = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], cfg.attention)
+  qkv = checkpoint_name(constrain(qkv + p["qkv_bias"], qkv_axes), "qkv")
+  a = checkpoint_name(attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], cfg.attention), "attention")
   x = x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"],
                           ("batch", "length", "act_heads", None), ("heads", "kv", "embed"),
                           residual) + p["out_bias"]
+  x = checkpoint_name(x, "mid_residual")
   h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
   mlp_axes = ("batch", "length", "act_mlp")
   h = tensor_parallel("btd,df->btf", h, p["fc1_kernel"], residual, ("embed", "mlp"), mlp_axes)
-  h = jax.nn.gelu(constrain(h + p["fc1_bias"], mlp_axes))
+  h = jax.nn.gelu(checkpoint_name(constrain(h + p["fc1_bias"], mlp_axes), "fc1"))
   h = tensor_parallel("btf,fd->btd", h, p["fc2_kernel"], mlp_axes, ("mlp", "embed"), residual)
   return x + h + p["fc2_bias"]
 

@@ -24,10 +24,10 @@ later than it left needs M >= P micro-batches when V > 1.
 
 Everything is one SPMD program: the per-rank state is a [P, ...] array sharded over
 `pipeline`, the ranks' work is `jax.vmap` over it with `spmd_axis_name="pipeline"`, and
-the move is `jnp.roll` along it, which XLA partitions into a collective-permute. The
-whole loop is in turn vmapped over the data-parallel replicas (spmd_axis_name `data`),
-each on its own broadcast copy of the weights, so that their gradients are reduced over
-`data` once after the backward loop rather than once per trip.
+the move is `jnp.roll` along it, which XLA partitions into a collective-permute. `run` is
+one data-parallel replica's pipeline; the train step vmaps it over the replicas (see
+train/step.py), so that each replica accumulates its own weight gradients through the
+backward loop and they are reduced over `data` once, not once per trip.
 """
 
 from collections.abc import Callable
@@ -47,7 +47,6 @@ from parallelism import rules
 # with known_trip_count = trips(); one trip as documented above.
 PIPELINE_SCOPE = "pipeline"
 MESH_AXIS = "pipeline"
-DATA_AXIS = "data"
 
 
 def trips(micro_batches: int, stages: int, virtual_stages: int) -> int:
@@ -60,18 +59,31 @@ def bubble_fraction(micro_batches: int, stages: int, virtual_stages: int) -> flo
   return (stages - 1) / trips(micro_batches, stages, virtual_stages)
 
 
-def check(num_layers: int, stages: int, virtual_stages: int, micro_batches: int) -> None:
+def passes(requested: int, micro_batches: int, stages: int) -> int:
+  """Pipeline passes per step: `requested`, or for 0 the most passes that divide the
+  micro-batches and hold at least `stages` each (1F1B's activation memory)."""
+  if requested:
+    return requested
+  return max(n for n in range(1, micro_batches + 1)
+             if micro_batches % n == 0 and (micro_batches // n >= stages or n == 1))
+
+
+def check(num_layers: int, stages: int, virtual_stages: int, micro_batches: int,
+          passes: int = 1) -> None:
   """Bad pipeline shapes raise UserInputError naming the field."""
   if num_layers % (stages * virtual_stages):
     raise UserInputError(
       f"model.num_layers = {num_layers} does not split into mesh.pipeline "
       f"{stages} x train.virtual_stages {virtual_stages} equal chunks"
     )
-  if virtual_stages > 1 and micro_batches < stages:
+  if micro_batches % passes:
+    raise UserInputError(f"train.pipeline_passes = {passes} does not divide the "
+                         f"{micro_batches} micro-batches per data-parallel replica")
+  if virtual_stages > 1 and micro_batches // passes < stages:
     raise UserInputError(
       f"train.virtual_stages > 1 needs at least mesh.pipeline = {stages} "
-      f"micro-batches per data-parallel replica, got {micro_batches} "
-      f"(lower train.micro_batch)"
+      f"micro-batches per data-parallel replica and pass, got {micro_batches // passes} "
+      f"(lower train.micro_batch or train.pipeline_passes)"
     )
 
 
@@ -101,19 +113,12 @@ def model_order(layers: Any, stages: int, virtual_stages: int) -> Any:
   return jax.tree.map(leaf, layers)
 
 
-def _mesh_size(axis: str) -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty else mesh.shape.get(axis, 1)
-
-
-def _pin(x: jax.Array, *leading: str) -> jax.Array:
-  """Pin the leading axes to mesh axes (default: the pipeline ranks), the rest as the
-  partitioner likes."""
+def _pin(x: jax.Array) -> jax.Array:
+  """Pin the leading axis to the pipeline ranks, the rest as the partitioner likes."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  leading = leading or (MESH_AXIS,)
-  spec = PartitionSpec(*leading, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - len(leading)))
+  spec = PartitionSpec(MESH_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -124,14 +129,14 @@ def run(
   stages: int,
   virtual_stages: int,
 ) -> jax.Array:
-  """All layers on every micro-batch through the pipeline.
+  """All layers on every micro-batch of one data-parallel replica through the pipeline.
 
   run_chunk(x, rank_params, (first, C)): the rows first .. first + C - 1 of one rank's
   stack (leading axis V C) on one micro-batch x [b, ...]; it slices the stack itself, inside
   its remat boundary, so that a per-trip slice of the weights is never saved for the
   backward pass.
   layers: stacked [L, ...] in stage order, sharded over `pipeline`. inputs
-  [M, b, ...]: the embedded micro-batches. Returns the last layer's outputs [M, b, ...],
+  [M, b, ...]: the replica's embedded micro-batches. Returns the last layer's outputs [M, b, ...],
   held by rank 0.
   """
   P, V, M = stages, virtual_stages, inputs.shape[0]
@@ -145,40 +150,28 @@ def run(
     v = jnp.clip(k // M, 0, V - 1)
     return run_chunk(x, params, (v * C, C))
 
-  def one_replica(chunks, inputs):
-    def trip(carry, t):
-      x, buffer = carry  # [P, b, ...], [P, M, b, ...]
-      y = jax.vmap(one_rank, in_axes=(0, None, 0, 0), spmd_axis_name=MESH_AXIS)(chunks, t, rank, x)
-      y = jnp.roll(y, 1, axis=0)  # rank s's output to rank s + 1
-      # Rank 0 now holds what rank P-1 finished at this trip: keep it for its next chunk
-      # (or as the final output). Before rank P-1's first micro-batch it holds nothing.
-      done, ready = (t - (P - 1)) % M, t >= P - 1
+  def trip(carry, t):
+    x, buffer = carry  # [P, b, ...], [P, M, b, ...]
+    y = jax.vmap(one_rank, in_axes=(0, None, 0, 0), spmd_axis_name=MESH_AXIS)(chunks, t, rank, x)
+    y = jnp.roll(y, 1, axis=0)  # rank s's output to rank s + 1
+    # Rank 0 now holds what rank P-1 finished at this trip: keep it for its next chunk
+    # (or as the final output). Before rank P-1's first micro-batch it holds nothing.
+    done, ready = (t - (P - 1)) % M, t >= P - 1
 
-      def keep(buf, received):
-        # Read the slot entering next before writing, so that no read needs the buffer's
-        # old version and XLA updates it in place (with M = P the two slots coincide).
-        following = (t + 1) % M
-        entering = jnp.where(ready & (following == done), received, buf[following])
-        slot = jnp.where(ready, received, buf[done])
-        return jax.lax.dynamic_update_index_in_dim(buf, slot, done, 0), entering
+    def keep(buf, received):
+      # Read the slot entering next before writing, so that no read needs the buffer's
+      # old version and XLA updates it in place (with M = P the two slots coincide).
+      following = (t + 1) % M
+      entering = jnp.where(ready & (following == done), received, buf[following])
+      slot = jnp.where(ready, received, buf[done])
+      return jax.lax.dynamic_update_index_in_dim(buf, slot, done, 0), entering
 
-      buffer, entering = jax.vmap(keep, spmd_axis_name=MESH_AXIS)(buffer, y)
-      is_first = (rank == 0).reshape(P, *(1,) * (y.ndim - 1))
-      return (_pin(jnp.where(is_first, entering, y)), _pin(buffer)), None
+    buffer, entering = jax.vmap(keep, spmd_axis_name=MESH_AXIS)(buffer, y)
+    is_first = (rank == 0).reshape(P, *(1,) * (y.ndim - 1))
+    return (_pin(jnp.where(is_first, entering, y)), _pin(buffer)), None
 
-    buffer = _pin(jnp.broadcast_to(inputs, (P, *inputs.shape)))
-    x = _pin(buffer[:, 0])
-    with jax.named_scope(PIPELINE_SCOPE):
-      (_, buffer), _ = jax.lax.scan(trip, (x, buffer), jnp.arange(trips(M, P, V)))
-    return buffer[0]
-
-  # Each data-parallel replica runs the loop on its own copy of the weights (a broadcast
-  # along `data`, no data moves), so the backward loop accumulates each replica's weight
-  # gradients locally, and the broadcast's transpose - one reduction over `data` - runs
-  # once after the loop instead of once per trip.
-  R = _mesh_size(DATA_AXIS)
-  split = lambda x: jnp.moveaxis(x.reshape(M, R, -1, *x.shape[2:]), 1, 0)  # [R, M, b/R, ...]
-  replicas = jax.tree.map(lambda x: _pin(jnp.broadcast_to(x, (R, *x.shape)), DATA_AXIS), chunks)
-  with rules.vmapped(DATA_AXIS, MESH_AXIS):
-    out = jax.vmap(one_replica, spmd_axis_name=DATA_AXIS)(replicas, _pin(split(inputs), DATA_AXIS))
-  return jnp.moveaxis(out, 0, 1).reshape(inputs.shape)
+  buffer = _pin(jnp.broadcast_to(inputs, (P, *inputs.shape)))
+  x = _pin(buffer[:, 0])
+  with rules.vmapped(MESH_AXIS), jax.named_scope(PIPELINE_SCOPE):
+    (_, buffer), _ = jax.lax.scan(trip, (x, buffer), jnp.arange(trips(M, P, V)))
+  return buffer[0]

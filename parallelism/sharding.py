@@ -24,11 +24,39 @@ def _axes(x: Any) -> tuple | None:
   return x.get_metadata().get("axes") if _is_variable(x) else None
 
 
+def _sharding(x: Any, mesh: Mesh) -> NamedSharding:
+  axes = _axes(x)
+  return NamedSharding(mesh, rules.spec(axes) if axes else PartitionSpec())
+
+
 def named_shardings(tree: Any, mesh: Mesh) -> Any:
   """A tree of NamedShardings shaped like `tree` (variables keep their wrappers)."""
   def leaf(x):
-    axes = _axes(x)
-    sharding = NamedSharding(mesh, rules.spec(axes) if axes else PartitionSpec())
+    sharding = _sharding(x, mesh)
+    return x.replace(sharding) if _is_variable(x) else sharding
+  return jax.tree.map(leaf, tree, is_leaf=_is_variable)
+
+
+def over_data(tree: Any, mesh: Mesh) -> Any:
+  """named_shardings(tree), each array also split over `data` along its largest dimension
+  per device that `data` divides: the optimizer state of Megatron's distributed optimizer
+  (ZeRO stage 1). The gradients then need only a reduce-scatter over `data`, and the
+  updated parameters an all-gather, in place of the all-reduce. An array with no such
+  dimension (a scalar) keeps its sharding."""
+  ways = mesh.shape["data"]
+
+  def leaf(x):
+    sharding = _sharding(x, mesh)
+    spec = tuple(sharding.spec) + (None,) * (len(x.shape) - len(sharding.spec))
+    axes = [() if p is None else (p,) if isinstance(p, str) else tuple(p) for p in spec]
+    per_device = [size // math.prod(mesh.shape[a] for a in dim_axes)
+                  for size, dim_axes in zip(x.shape, axes)]
+    free = [d for d, size in enumerate(per_device) if size % ways == 0]
+    if ways > 1 and free:
+      dim = max(free, key=lambda d: per_device[d])
+      axes[dim] += ("data",)
+      sharding = NamedSharding(mesh, PartitionSpec(*(a[0] if len(a) == 1 else a or None
+                                                     for a in axes)))
     return x.replace(sharding) if _is_variable(x) else sharding
   return jax.tree.map(leaf, tree, is_leaf=_is_variable)
 

@@ -178,10 +178,3 @@ def axes_of(groups: Groups, reduced: ReducedMesh) -> str:
   coords = [_coords((g,), reduced)[0] for g in groups]
   return "+".join(a for i, a in enumerate(AXES)
                   if any(len(set(c[:, i].tolist())) > 1 for c in coords)) or "none"
-
-
-def group_growth(groups: Groups, reduced: ReducedMesh) -> float:
-  """Target group size over compiled group size (1 unless the groups run along data)."""
-  if _spans_data(_coords(groups, reduced)):
-    return reduced.target.sizes["data"] / reduced.sizes["data"]
-  return 1.0

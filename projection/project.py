@@ -87,7 +87,8 @@ def _save_kernel_cache(private: str, shared: str) -> None:
 
 
 # The gradient-accumulation loop is the while op that train/step.py's named scope names.
-_ACCUMULATION_OP = re.compile(rf"(^|/){re.escape(train_step.GRAD_ACCUMULATION_SCOPE)}/while$")
+# (vmapped over data-parallel replicas when it runs pipeline passes: "vmap(grad_accumulation)").
+_ACCUMULATION_OP = re.compile(rf"(^|[/(]){re.escape(train_step.GRAD_ACCUMULATION_SCOPE)}\)*/while$")
 # The pipeline's loops: the forward one ("jvp(pipeline)/while") and its transpose
 # ("transpose(jvp(pipeline))/while"), one trip each per schedule step
 # (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
@@ -101,6 +102,9 @@ class CompiledStep:
   compile_target: str          # "cuda" or "host"
   compile_s: float
   note: str                    # why the host was used, when it was
+  # Of memory_per_device_bytes, the train state split over `data` (train.shard_optimizer):
+  # the part that shrinks as the data axis grows from the reduced mesh to the target.
+  data_sharded_state_bytes: int = 0
 
 
 def hardware(name: str, gpus: int = 1) -> Hardware:
@@ -149,13 +153,33 @@ def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_na
   per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                 - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   analysis = hlo.analyze(compiled.as_text())
-  return CompiledStep(analysis, per_device, target, time.perf_counter() - start, note)
+  data_sharded = sum(
+    math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    for leaf in jax.tree.leaves(program.abstract_state)
+    if "data" in jax.tree.leaves(tuple(leaf.sharding.spec)))
+  return CompiledStep(analysis, per_device, target, time.perf_counter() - start, note,
+                      data_sharded)
 
 
 def pipeline_loops(program: hlo.Program) -> list[int]:
-  """Entry positions of the pipeline's loops (forward and backward)."""
-  return [i for i, n in enumerate(program.entry)
-          if isinstance(n, hlo.Loop) and _PIPELINE_OP.search(n.op_name)]
+  """Entry positions of the pipeline's loops (forward and backward) at the top of the
+  program (one pipeline pass)."""
+  return [i for i, n in enumerate(program.entry) if _is_pipeline_loop(n)]
+
+
+def _is_pipeline_loop(node: hlo.Node) -> bool:
+  return isinstance(node, hlo.Loop) and bool(_PIPELINE_OP.search(node.op_name))
+
+
+def pipeline_passes(program: hlo.Program) -> list[tuple[hlo.Loop, int]]:
+  """The pipeline's loops with how many times each runs: once at the top of the program,
+  or once per pass inside the top-level gradient-accumulation loop that runs several
+  passes (train.pipeline_passes)."""
+  found = [(program.entry[i], 1) for i in pipeline_loops(program)]
+  for outer in program.entry:
+    if isinstance(outer, hlo.Loop) and _ACCUMULATION_OP.search(outer.op_name):
+      found += [(n, outer.trip_count) for n in outer.body if _is_pipeline_loop(n)]
+  return found
 
 
 def with_micro_batches(program: hlo.Program, compiled: int, target: int,
@@ -175,6 +199,9 @@ def with_micro_batches(program: hlo.Program, compiled: int, target: int,
   """
   if target == compiled:
     return program
+  if len(pipeline_passes(program)) > len(pipeline_loops(program)):
+    raise RuntimeError(f"{program.name}: a pipeline of several passes is compiled with all "
+                       f"its micro-batches ({compiled}), not {target}")
   loops = pipeline_loops(program)
   if loops:
     entry = list(program.entry)
@@ -201,22 +228,23 @@ def with_micro_batches(program: hlo.Program, compiled: int, target: int,
 
 def bubble_s(program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Collective], float],
              micro_batches: int, stages: int, virtual_stages: int) -> float:
-  """Seconds of the pipeline's idle trips: each pipeline loop runs micro_batches x
-  virtual_stages busy trips and stages - 1 idle ones (fill and drain), every trip the
+  """Seconds of the pipeline's idle trips: each pipeline loop runs micro_batches / passes
+  x virtual_stages busy trips and stages - 1 idle ones (fill and drain) per pass, every trip the
   same body (ranks compute in lockstep, an idle rank on stale data), so the bubble is
   the idle trips' share of the loops' compiled time."""
-  loops = pipeline_loops(program)
-  busy = micro_batches * virtual_stages
+  loops = pipeline_passes(program)
   if stages > 1 and not loops:
     raise RuntimeError(f"{program.name}: no pipeline loop (a while op named "
-                       f"'{pipeline.PIPELINE_SCOPE}/while') at the top of the program")
+                       f"'{pipeline.PIPELINE_SCOPE}/while') at the top of the program or of "
+                       f"its pass loop")
   total = 0.0
-  for i in loops:
-    loop = program.entry[i]
-    if loop.trip_count != pipeline.trips(micro_batches, stages, virtual_stages):
+  for loop, passes in loops:
+    per_pass = micro_batches // passes
+    if loop.trip_count != pipeline.trips(per_pass, stages, virtual_stages):
       raise RuntimeError(f"{loop.name}: {loop.trip_count} trips, not the "
-                         f"{micro_batches} x {virtual_stages} + {stages} - 1 of the schedule")
-    total += (loop.trip_count - busy) * cost_model.simulate(loop.body, hw, collective_s).step_s
+                         f"{per_pass} x {virtual_stages} + {stages} - 1 of the schedule")
+    idle = loop.trip_count - per_pass * virtual_stages
+    total += passes * idle * cost_model.simulate(loop.body, hw, collective_s).step_s
   return total
 
 
@@ -241,23 +269,22 @@ def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
                       ) -> Callable[[hlo.Collective], float]:
   """Seconds for one compiled collective on the target: its slowest replica group's time.
   Placements and times are cached: a program repeats a few collectives many times."""
-  placements: dict[hlo.Groups, tuple[float, list[tuple[int, ...]]]] = {}
+  domains_of: dict[hlo.Groups, list[tuple[int, ...]]] = {}
   times: dict[tuple, float] = {}
 
   def time_s(node: hlo.Collective) -> float:
     groups = node.pairs if node.kind == "collective-permute" else node.groups
     if not groups:
       return 0.0
-    if groups not in placements:
-      placements[groups] = (layout.group_growth(groups, reduced),
-                            layout.target_group_domains(groups, reduced))
-    growth, domains = placements[groups]
-    # An all-gather's output grows with its group; the other kinds' per-device bytes don't.
-    size = int(node.bytes * growth) if node.kind == "all-gather" else node.bytes
-    key = (node.kind, size, groups)
+    if groups not in domains_of:
+      domains_of[groups] = layout.target_group_domains(groups, reduced)
+    # Along `data` only the groups grow; per-device bytes stay as compiled: all-reduces and
+    # reduce-scatters of gradients, and all-gathers of parameters (train.shard_optimizer),
+    # whose output is the whole parameter at any data size.
+    key = (node.kind, node.bytes, groups)
     if key not in times:
-      times[key] = max(collectives.collective_time_s(node.kind, size, group, hw)
-                       for group in domains)
+      times[key] = max(collectives.collective_time_s(node.kind, node.bytes, group, hw)
+                       for group in domains_of[groups])
     return times[key]
 
   return time_s
@@ -293,7 +320,9 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
                                reduced.micro_batches, virtual)
 
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
-  memory_gb = step.memory_per_device_bytes / GB
+  data_growth = target.sizes["data"] / reduced.sizes["data"]
+  memory_gb = (step.memory_per_device_bytes
+               - step.data_sharded_state_bytes * (1 - 1 / data_growth)) / GB
   capacity_gb = hw.hbm_bytes / GB
   record = {
       "mode": "project", "experiment": exp.name, "model": exp.model.name,

@@ -98,11 +98,12 @@ class Prior:
   Memory: parameters and optimizer state per GPU, exact from their shardings; the
   gradients, one copy of the parameters; saved activations, per layer and token: the
   layer input (2 bytes x d_model) under full remat, the weight matmuls' outputs (9 x
-  d_model, bf16; FP8 products are bf16 too) under save_dots, 34 x d_model bytes without remat
-  (Korthikanti et al. 2022, flash attention), split over tensor parallelism with
+  d_model, bf16; FP8 products are bf16 too) under save_dots, QKV, attention and fc1
+  outputs and a residual (18 x d_model) under elementwise, 34 x d_model bytes without
+  remat (Korthikanti et al. 2022, flash attention), split over tensor parallelism with
   sequence parallelism. A pipelined step keeps every micro-batch's activations of its
-  stage (the lockstep schedule runs all forward trips before the backward ones);
-  gradient accumulation keeps one micro-batch's.
+  stage in a pass (the lockstep schedule runs a pass's forward trips before its backward
+  ones); gradient accumulation keeps one micro-batch's.
 
   Time: model FLOPs (x 4/3 under full remat) at the achievable matmul rate, stretched by
   the pipeline's idle trips; each micro-batch reading its GPU's weights from HBM (3
@@ -175,10 +176,10 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   layers_per_gpu = model.num_layers / pp
   d = model.d_model
   shard = tp if model.sequence_parallel else 1
-  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "none": 34 * d}[
-    model.remat
-  ] / shard
-  held_tokens = per_replica_tokens if pp > 1 else per_replica_tokens / micro
+  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "elementwise": 18 * d,
+                     "none": 34 * d}[model.remat] / shard
+  passes = pipeline.passes(exp.train.pipeline_passes, micro, pp) if pp > 1 else 1
+  held_tokens = per_replica_tokens / passes if pp > 1 else per_replica_tokens / micro
   activations = held_tokens * layers_per_gpu * per_token_layer
   weight_bytes = param_count(model) * jax.numpy.dtype(model.param_dtype).itemsize / (tp * pp * fsdp)
 
@@ -186,10 +187,10 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   flops = train_flops_per_token(model) * exp.train.global_batch * model.seq_len / gpus
   flops *= 4 / 3 if model.remat == "full" else 1
   rate = (hw.achievable_tflops("fp8") if model.fp8 else None) or hw.achievable_tflops("bf16")
-  bubble = pipeline.bubble_fraction(micro, pp, virtual) if pp > 1 else 0.0
+  bubble = pipeline.bubble_fraction(micro // passes, pp, virtual) if pp > 1 else 0.0
   compute_s = flops / (rate * 1e12) / (1 - bubble)
-  passes = 4 if model.remat == "full" else 3
-  hbm_s = micro * passes * weight_bytes / (hw.hbm_achievable_tb_s * 1e12)
+  weight_reads = 4 if model.remat == "full" else 3
+  hbm_s = micro * weight_reads * weight_bytes / (hw.hbm_achievable_tb_s * 1e12)
   tp_bytes = 2 * 8 * d * per_replica_tokens * layers_per_gpu * (tp - 1) / tp
   tp_s = tp_bytes / (hw.allgather_ring_busbw_gb_s * 1e9) if tp > 1 else 0.0
   dp_s = 2 * weight_bytes * (data - 1) / data / (hw.nic_gb_s_per_gpu * 1e9)
@@ -224,9 +225,9 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
       reduced = project.plan(cand_exp, hw, gpus)
       stages = reduced.target.sizes["pipeline"]
       if stages > 1:
-        pipeline.check(
-          cand_exp.model.num_layers, stages, candidate.virtual_stages, reduced.micro_batches
-        )
+        micro = reduced.micro_batches
+        pipeline.check(cand_exp.model.num_layers, stages, candidate.virtual_stages, micro,
+                       pipeline.passes(cand_exp.train.pipeline_passes, micro, stages))
       # The model's shapes over the model-parallel axes: once the checks above pass, the
       # same for every micro-batch, virtual-stage count (a reordering of the layers) and
       # remat policy, so built once per (fsdp, tensor, pipeline).

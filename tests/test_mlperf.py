@@ -99,7 +99,7 @@ def test_parallelism_shortcuts_set_the_real_fields():
     ("tensor_parallel=0", "--set tensor_parallel: expected a positive whole number, got '0'"),
     ("micro_batch=two", "--set micro_batch: expected a positive whole number, got 'two'"),
     ("precision=fp16", "--set precision: expected one of bf16, fp8, got 'fp16'"),
-    ("remat=some", "--set remat: expected one of none, full, save_dots, got 'some'"),
+    ("remat=some", "--set remat: expected one of none, full, save_dots, elementwise, got 'some'"),
     ("variant=eos_1", "--set variant: mlperf_gpt3_175b has variants eos_10752, eos_512"),
   ],
 )
@@ -246,3 +246,13 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
   assert project.bubble_s(eight, H100, timer, 8, 2, 2) == pytest.approx(bubble)
   with pytest.raises(RuntimeError, match="not the 8 x 2 \\+ 2 - 1 of the schedule"):
     project.bubble_s(program, H100, timer, 8, 2, 2)
+  # The same micro-batches in 2 passes of 2: each pass's loops run 2 x 2 + 1 = 5 trips
+  # inside the pass loop, 1 idle, so twice the idle trips of one pass.
+  two = dataclasses.replace(exp, train=dataclasses.replace(exp.train, pipeline_passes=2))
+  train_cfg = dataclasses.replace(two.train, global_batch=reduced.global_batch)
+  passes = project.pipeline_passes(project.compile_step(
+    two.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program)
+  assert [(loop.trip_count, repeats) for loop, repeats in passes] == [(5, 2), (5, 2)]
+  loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop, _ in passes)
+  record = project.project(two, "h100", 8)
+  assert record["breakdown"]["bubble_s"] == pytest.approx(2 * loops_s / 5)

@@ -68,20 +68,26 @@ def single_device():
 
 
 @pytest.mark.parametrize(
-  "mesh_cfg, schedule, virtual, micro_batch, sequence_parallel",
+  "mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes",
   [
-    (MeshConfig(data=1, tensor=2, pipeline=4), "gpipe", 1, 0, True),
-    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, False),
+    (MeshConfig(data=1, tensor=2, pipeline=4), "gpipe", 1, 0, True, 1),
+    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, False, 1),
+    # 4 micro-batches per replica in 2 passes of 2, the moments split over data, and
+    # only the elementwise ops recomputed (the MLPerf experiment's setting).
+    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, True, 2),
   ],
-  ids=["gpipe-pipeline4-tensor2-sequence-parallel", "interleaved-pipeline2-data2-tensor2"],
+  ids=["gpipe-pipeline4-tensor2-sequence-parallel", "interleaved-pipeline2-data2-tensor2",
+       "interleaved-2-passes-sharded-optimizer-elementwise-remat"],
 )
 def test_pipelined_step_matches_one_device(
-  mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, single_device
+  mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes, single_device
 ):
   train = dataclasses.replace(
-    TRAIN, pipeline_schedule=schedule, virtual_stages=virtual, micro_batch=micro_batch
+    TRAIN, pipeline_schedule=schedule, virtual_stages=virtual, micro_batch=micro_batch,
+    pipeline_passes=passes, shard_optimizer=passes > 1,
   )
-  model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel)
+  model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel,
+                              remat="elementwise" if passes > 1 else MODEL.remat)
   program = _program(mesh_cfg, 8, model=model, train=train)
   losses, params, collectives = _train(program)
   params["layers"] = pipeline.model_order(params["layers"], mesh_cfg.pipeline, virtual)
@@ -91,6 +97,14 @@ def test_pipelined_step_matches_one_device(
   if not sequence_parallel:
     assert collectives["all-gather"] == 0
   assert program.abstract_state.params["layers"]["fc1_kernel"].sharding.spec[0] == "pipeline"
+  moment = program.abstract_state.opt_state[1][0].mu["layers"]["fc1_kernel"].sharding.spec
+  assert ("data" in jax.tree.leaves(tuple(moment))) == (passes > 1)
+
+
+def test_passes_of_at_least_the_stage_count_by_default():
+  assert [pipeline.passes(0, m, 8) for m in (64, 32, 8, 12, 4)] == [8, 4, 1, 1, 1]
+  assert pipeline.passes(3, 12, 8) == 3
+  assert pipeline.trips(64 // 8, 8, 6) == 55  # one pass of the 512-GPU MLPerf step
 
 
 def test_stage_order_is_a_permutation_of_chunks():
@@ -170,6 +184,17 @@ def test_fp8_matches_bf16_within_quantisation_error():
       MeshConfig(data=2, pipeline=4),
       dataclasses.replace(TRAIN, pipeline_schedule="interleaved"),
       "train.virtual_stages must be at least 2 with the interleaved schedule",
+    ),
+    (
+      MeshConfig(data=2, tensor=2, pipeline=2),
+      dataclasses.replace(TRAIN, micro_batch=1, pipeline_passes=3),
+      "train.pipeline_passes = 3 does not divide the 4 micro-batches",
+    ),
+    (
+      MeshConfig(data=2, tensor=2, pipeline=2),
+      dataclasses.replace(TRAIN, micro_batch=1, pipeline_schedule="interleaved",
+                          virtual_stages=2, pipeline_passes=4),
+      "micro-batches per data-parallel replica and pass, got 1",
     ),
     (
       MeshConfig(data=2, pipeline=4),

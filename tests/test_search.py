@@ -137,7 +137,7 @@ def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first():
     "h100",
     8,
     budget=7,
-    projector=_fake_projector({"save_dots", "full"}),
+    projector=_fake_projector({"save_dots", "elementwise", "full"}),
     on_record=appended.append,
   )
   assert len(found.records) == 7 and found.compiles == 0

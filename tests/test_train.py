@@ -42,16 +42,18 @@ def single_device():
   return _train(_program(MeshConfig(data=1), 1), steps=3)
 
 
-@pytest.mark.parametrize("mesh_cfg, micro_batch", [
-    (MeshConfig(data=8, fsdp=1, tensor=1), 0),
-    (MeshConfig(data=1, fsdp=8, tensor=1), 0),
-    (MeshConfig(data=2, fsdp=1, tensor=4), 0),
-    (MeshConfig(data=2, fsdp=2, tensor=2), 0),
-    (MeshConfig(data=2, fsdp=2, tensor=2), 1),
-], ids=["data8", "fsdp8", "data2-tensor4", "data2-fsdp2-tensor2", "2x2x2-micro-batches"])
-def test_sharded_step_matches_one_device(mesh_cfg, micro_batch, single_device):
+@pytest.mark.parametrize("mesh_cfg, micro_batch, shard_optimizer", [
+    (MeshConfig(data=8, fsdp=1, tensor=1), 0, False),
+    (MeshConfig(data=1, fsdp=8, tensor=1), 0, False),
+    (MeshConfig(data=2, fsdp=1, tensor=4), 0, False),
+    (MeshConfig(data=2, fsdp=2, tensor=2), 0, False),
+    (MeshConfig(data=2, fsdp=2, tensor=2), 1, False),
+    (MeshConfig(data=4, fsdp=1, tensor=2), 0, True),
+], ids=["data8", "fsdp8", "data2-tensor4", "data2-fsdp2-tensor2", "2x2x2-micro-batches",
+        "data4-tensor2-sharded-optimizer"])
+def test_sharded_step_matches_one_device(mesh_cfg, micro_batch, shard_optimizer, single_device):
   losses_1, params_1 = single_device
-  train = dataclasses.replace(TRAIN, micro_batch=micro_batch)
+  train = dataclasses.replace(TRAIN, micro_batch=micro_batch, shard_optimizer=shard_optimizer)
   losses_8, params_8 = _train(_program(mesh_cfg, 8, train=train), steps=3)
   np.testing.assert_allclose(losses_8, losses_1, rtol=RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
@@ -71,6 +73,17 @@ def test_compiled_step_keeps_the_rule_shardings():
     assert adam.mu["layers"]["fc1_kernel"].spec == P(None, "fsdp", "tensor")
     assert adam.nu["wte"].spec == P("tensor", "fsdp")
   assert batch_in["inputs"].spec == P(("data", "fsdp"), None)
+
+
+def test_sharded_optimizer_splits_each_moment_over_data_along_its_largest_dimension():
+  train = dataclasses.replace(TRAIN, shard_optimizer=True)
+  program = _program(MeshConfig(data=2, fsdp=2, tensor=2), 8, train=train)
+  adam = program.abstract_state.opt_state[1][0]
+  # fc1 [L, D, 4D]: D / fsdp = 32 and 4D / tensor = 128 rows per device; the larger splits.
+  assert adam.mu["layers"]["fc1_kernel"].sharding.spec == P(None, "fsdp", ("tensor", "data"))
+  assert adam.nu["wte"].sharding.spec == P(("tensor", "data"), "fsdp")
+  assert program.abstract_state.params["layers"]["fc1_kernel"].sharding.spec == P(
+      None, "fsdp", "tensor")
 
 
 def test_loss_falls_on_the_learnable_task():

@@ -20,6 +20,17 @@ class TrainConfig:
   # `virtual_stages` chunks, a micro-batch circling the stages that many times.
   pipeline_schedule: str = "gpipe"
   virtual_stages: int = 1
+  # The micro-batches go through the pipeline in this many passes (a forward and a
+  # backward loop each), gradients summed: the schedule runs every forward trip of a
+  # pass before its backward ones, so a pass keeps the activations of all its
+  # micro-batches; passes of P micro-batches keep as many as 1F1B keeps in flight, at
+  # the price of each pass's P - 1 fill and drain trips. 0: the most passes of at
+  # least P micro-batches each (parallelism/pipeline.py `passes`).
+  pipeline_passes: int = 1
+  # Adam's moments split over `data` (Megatron's distributed optimizer, ZeRO stage 1):
+  # 1 / data of their memory, the same bytes moved (gradients reduce-scattered, updated
+  # parameters all-gathered, instead of all-reduced gradients).
+  shard_optimizer: bool = False
   steps: int = 10               # timed / trained steps
   warmup_steps: int = 2         # excluded from timing (compilation caches, allocators)
   learning_rate: float = 3e-4
@@ -46,6 +57,9 @@ class TrainConfig:
     if self.pipeline_schedule not in PIPELINE_SCHEDULES:
       raise UserInputError(f"train.pipeline_schedule must be one of "
                            f"{', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
+    if self.pipeline_passes < 0:
+      raise UserInputError(f"train.pipeline_passes must be >= 0 (0: as 1F1B keeps in flight), "
+                           f"got {self.pipeline_passes}")
     if self.virtual_stages < 1:
       raise UserInputError(f"train.virtual_stages must be a positive integer, got {self.virtual_stages}")
     if self.pipeline_schedule == "gpipe" and self.virtual_stages != 1:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from errors import UserInputError
 from model.config import ModelConfig
 from model.gpt import GPT, run_layers
-from parallelism import pipeline, sharding
+from parallelism import pipeline, rules, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
 
@@ -83,11 +83,16 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
                          f"{per_replica} sequences per data-parallel replica")
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
+  passes = pipeline.passes(train_cfg.pipeline_passes, micro_batches, stages) if pipelined else 1
+  per_pass = micro_batches // passes
   if pipelined:
-    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches)
+    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches, passes)
   abstract = jax.eval_shape(init)
   sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
+  if train_cfg.shard_optimizer:
+    state_shardings = state_shardings._replace(
+        opt_state=sharding.over_data(abstract.opt_state, mesh))
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -102,33 +107,53 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     n = micro_batches
     return jax.tree.map(lambda x: x.reshape(-1, n, x.shape[-1]).swapaxes(0, 1), batch)
 
-  def pipelined_loss_fn(params, batch):
+  def pipelined_loss_fn(params, micro):
+    # One data-parallel replica's micro-batches micro [M', mb, T] through the pipeline.
     model = nnx.merge(graphdef, params)
-    micro = split(batch)                                     # [M, b, T]
     x = jax.vmap(model.embed)(micro["inputs"])
     x = pipeline.run(lambda x, p, chunk: run_layers(model_cfg, x, p, chunk),
                      model.layer_params(), x, stages, virtual)
     # The head's micro-batches split over the stages, which would otherwise all repeat it.
-    spread = pipeline.MESH_AXIS if micro_batches % stages == 0 else None
+    spread = pipeline.MESH_AXIS if per_pass % stages == 0 else None
     logits = jax.vmap(model.head, spmd_axis_name=spread)(x)
     return cross_entropy(logits, micro["targets"])
 
-  def loss_and_grads(params, batch):
-    n = micro_batches
-    if pipelined:
-      return jax.value_and_grad(pipelined_loss_fn)(params, batch)
-    if n == 1:
-      return jax.value_and_grad(loss_fn)(params, batch)
-    micro = split(batch)
-
-    def accumulate(carry, micro_batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch)
-      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+  def accumulated(loss_and_grads_fn, params, micro):
+    """Mean loss and gradients over the leading axis of micro, one entry at a time."""
+    def accumulate(carry, entry):
+      return jax.tree.map(jnp.add, carry, loss_and_grads_fn(params, entry)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     with jax.named_scope(GRAD_ACCUMULATION_SCOPE):
       total, _ = jax.lax.scan(accumulate, zeros, micro)
-    return jax.tree.map(lambda x: x / n, total)
+    return jax.tree.map(lambda x: x / jax.tree.leaves(micro)[0].shape[0], total)
+
+  def replica_loss_and_grads(params, rows):
+    # rows [B/R, T]: one data-parallel replica's share; its micro-batches [M, mb, T] run
+    # through the pipeline in `passes` passes of M' = M / passes.
+    micro = jax.tree.map(lambda x: x.reshape(passes, per_pass, *x.shape[1:]), split(rows))
+    grad_fn = jax.value_and_grad(pipelined_loss_fn)
+    if passes == 1:
+      return grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+    return accumulated(grad_fn, params, micro)
+
+  def loss_and_grads(params, batch):
+    if pipelined:
+      # Each replica accumulates its own gradients (vmapped with the weights unbatched:
+      # its gradients come out per replica, sharded over `data`) through every pipeline
+      # trip and pass; the mean over replicas, one reduction over `data`, comes after.
+      replicas = mesh.shape["data"]
+      rows = jax.tree.map(lambda x: x.reshape(replicas, -1, x.shape[-1]), batch)  # [R, B/R, T]
+      with rules.vmapped("data"):
+        per_replica = jax.vmap(replica_loss_and_grads, in_axes=(None, 0),
+                               spmd_axis_name="data")(params, rows)
+      # Summed in the gradients' own dtype, as the reduction over `data` runs (jnp.sum
+      # would convert bfloat16 to float32 first and all-reduce twice the bytes).
+      mean = lambda x: jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,)) / replicas
+      return jax.tree.map(mean, per_replica)
+    if micro_batches == 1:
+      return jax.value_and_grad(loss_fn)(params, batch)
+    return accumulated(jax.value_and_grad(loss_fn), params, split(batch))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     loss, grads = loss_and_grads(state.params, batch)
