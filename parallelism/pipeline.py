@@ -64,12 +64,16 @@ def passes(requested: int, micro_batches: int, stages: int) -> int:
   micro-batches and hold at least `stages` each (1F1B's activation memory)."""
   if requested:
     return requested
-  return max(n for n in range(1, micro_batches + 1)
-             if micro_batches % n == 0 and (micro_batches // n >= stages or n == 1))
+  return max(
+    n
+    for n in range(1, micro_batches + 1)
+    if micro_batches % n == 0 and (micro_batches // n >= stages or n == 1)
+  )
 
 
-def check(num_layers: int, stages: int, virtual_stages: int, micro_batches: int,
-          passes: int = 1) -> None:
+def check(
+  num_layers: int, stages: int, virtual_stages: int, micro_batches: int, passes: int = 1
+) -> None:
   """Bad pipeline shapes raise UserInputError naming the field."""
   if num_layers % (stages * virtual_stages):
     raise UserInputError(
@@ -77,8 +81,10 @@ def check(num_layers: int, stages: int, virtual_stages: int, micro_batches: int,
       f"{stages} x train.virtual_stages {virtual_stages} equal chunks"
     )
   if micro_batches % passes:
-    raise UserInputError(f"train.pipeline_passes = {passes} does not divide the "
-                         f"{micro_batches} micro-batches per data-parallel replica")
+    raise UserInputError(
+      f"train.pipeline_passes = {passes} does not divide the "
+      f"{micro_batches} micro-batches per data-parallel replica"
+    )
   if virtual_stages > 1 and micro_batches // passes < stages:
     raise UserInputError(
       f"train.virtual_stages > 1 needs at least mesh.pipeline = {stages} "
