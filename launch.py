@@ -375,8 +375,8 @@ def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_
   fitting = best and best[0]["fits"]
   if not fitting:
     print(f"none of the {len(found.records)} projected fits; the least over capacity:")
-  headers = ["TP", "PP", "VS", "micro-batch", "remat", "data", "step s", "GB/GPU", "MFU",
-             "prior rank"]
+  headers = ["TP", "PP", "VS", "micro-batch", "passes", "remat", "data", "step s", "GB/GPU",
+             "MFU", "prior rank"]
   has_ttt = any("time_to_train_min" in r for r in best)
   if has_ttt:
     headers.insert(-1, "time to train min")
@@ -386,7 +386,7 @@ def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_
     memory = f"{r['memory_per_gpu_gb']:.1f} / {r['hbm_capacity_gb']:.0f}"
     step = r["step_time_s"] if r["fits"] else f"does not fit: {r['over_capacity_gb']:.1f} GB over"
     row = [s["tensor_parallel"], s["pipeline_parallel"], s["virtual_stages"], s["micro_batch"],
-           s["remat"], r["mesh"]["data"], step, memory, f"{r['mfu']:.1%}" if r["fits"] else "",
+           s["pipeline_passes"], s["remat"], r["mesh"]["data"], step, memory, f"{r['mfu']:.1%}" if r["fits"] else "",
            s["prior_rank"]]
     if has_ttt:
       row.insert(-1, r.get("time_to_train_min", ""))

@@ -81,8 +81,8 @@ def overheads(program: hlo.Program, hw) -> dict[str, float]:
       elif isinstance(node, hlo.Compute) and (kind := _overhead(node, top)):
         out[kind] += times * cost_model.op_time_s(node, hw)
 
-  for i in project.pipeline_loops(program):
-    visit(program.entry[i].body, program.entry[i].trip_count, True)
+  for loop, passes in project.pipeline_passes(program):
+    visit(loop.body, passes * loop.trip_count, True)
   return out
 
 

@@ -42,9 +42,9 @@ from errors import UserInputError
 from parallelism import rules
 
 # Name scope of the pipeline loop. In the optimized HLO the forward loop is the while op
-# whose op_name ends "jvp(vmap(pipeline))/while" and the backward loop the one ending
-# "transpose(jvp(vmap(pipeline)))/while" (the vmap is over data-parallel replicas), each
-# with known_trip_count = trips(); one trip as documented above.
+# whose op_name ends "jvp(pipeline)/while" and the backward loop the one ending
+# "transpose(jvp(pipeline))/while", each with known_trip_count = trips(); one trip as
+# documented above.
 PIPELINE_SCOPE = "pipeline"
 MESH_AXIS = "pipeline"
 

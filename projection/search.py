@@ -3,15 +3,15 @@
 For one experiment on N GPUs of one generation:
 
 1. Enumerate every (tensor parallel, pipeline parallel, virtual stages, micro-batch,
-   remat) in the space: tensor parallel over the divisors of the NVLink domain (8 on HGX,
-   72 on NVL72), pipeline and virtual stages over the divisors of the layer count
-   (virtual stages only with a pipeline), micro-batches over the divisors of the global
-   batch, every remat policy. Data parallelism takes the rest of the GPUs; fsdp, the
+   remat, pipeline passes) in the space: tensor parallel over the divisors of the NVLink
+   domain (8 on HGX, 72 on NVL72), pipeline and virtual stages over the divisors of the
+   layer count (virtual stages and passes only with a pipeline), micro-batches over the
+   divisors of the global batch, every remat policy, PIPELINE_PASSES. Data parallelism takes the rest of the GPUs; fsdp, the
    global batch and everything else stay as the experiment has them.
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
    candidate that survives would compile: `project.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
-   micro-batches for interleaving), and `train_step.build` on an abstract mesh (heads,
+   micro-batches per pass for interleaving), and `train_step.build` on an abstract mesh (heads,
    MLP width and vocabulary over tensor, sequence parallelism). The reason recorded is
    the field the first failing check names. A candidate whose parameters and optimizer
    state alone (exact, from their shardings) exceed the GPU's HBM is pruned too.
@@ -44,6 +44,9 @@ from train import step as train_step
 GB = 1e9
 # Compiles per search by default: a GPT-3 175B compile takes 5-15 s here.
 DEFAULT_BUDGET = 12
+# Pipeline passes tried: fewer passes keep more micro-batches' activations (memory) for
+# fewer fill and drain trips (time); pipeline.check drops those that do not divide.
+PIPELINE_PASSES = (1, 2, 4, 8, 16)
 STATE_REASON = "memory: parameters and optimizer state over HBM"
 _FIELD = re.compile(r"\b(?:model|mesh|train)\.[a-z_]+")
 
@@ -55,11 +58,12 @@ class Candidate:
   virtual_stages: int
   micro_batch: int
   remat: str
+  pipeline_passes: int = 1
 
   def describe(self) -> str:
     return (
       f"TP {self.tensor_parallel}, PP {self.pipeline_parallel}, VS {self.virtual_stages}, "
-      f"micro-batch {self.micro_batch}, remat {self.remat}"
+      f"micro-batch {self.micro_batch}, passes {self.pipeline_passes}, remat {self.remat}"
     )
 
   def assignments(self) -> tuple[str, ...]:
@@ -71,6 +75,7 @@ class Candidate:
       f"virtual_stages={self.virtual_stages}",
       f"train.pipeline_schedule={schedule}",
       f"micro_batch={self.micro_batch}",
+      f"train.pipeline_passes={self.pipeline_passes}",
       f"remat={self.remat}",
     )
 
@@ -85,6 +90,7 @@ class Candidate:
       micro_batch=self.micro_batch,
       virtual_stages=self.virtual_stages,
       pipeline_schedule="interleaved" if self.virtual_stages > 1 else "gpipe",
+      pipeline_passes=self.pipeline_passes,
     )
     return dataclasses.replace(
       exp, mesh=mesh, train=train, model=dataclasses.replace(exp.model, remat=self.remat)
@@ -150,7 +156,8 @@ def enumerate_space(exp, hw: Hardware) -> Iterator[Candidate]:
       for vs in _divisors(layers) if pp > 1 else [1]:
         for mb in _divisors(exp.train.global_batch):
           for remat in REMAT_POLICIES:
-            yield Candidate(tp, pp, vs, mb, remat)
+            for passes in PIPELINE_PASSES if pp > 1 else (1,):
+              yield Candidate(tp, pp, vs, mb, remat, passes)
 
 
 def _reason(error: UserInputError) -> str:
@@ -304,6 +311,7 @@ def search(
       "pipeline_parallel": candidate.pipeline_parallel,
       "virtual_stages": candidate.virtual_stages,
       "micro_batch": candidate.micro_batch,
+      "pipeline_passes": candidate.pipeline_passes,
       "remat": candidate.remat,
       "prior_step_s": estimate.step_s,
       "prior_memory_gb": estimate.memory_gb,

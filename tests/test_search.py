@@ -57,15 +57,19 @@ def _valid_by_the_rules(c: search.Candidate, gpus: int = 8) -> bool:
   if t.global_batch % (data * mb):
     return False
   micro_batches = t.global_batch // data // mb
-  return vs == 1 or micro_batches >= pp
+  if micro_batches % c.pipeline_passes:
+    return False
+  return vs == 1 or micro_batches // c.pipeline_passes >= pp
 
 
 def test_enumeration_and_pruning_follow_the_shape_rules():
   ranking = search.rank(SMALL, H100, 8)
   space = list(search.enumerate_space(SMALL, H100))
-  # TP over the divisors of the NVLink domain, PP and VS over those of the layers (VS only
-  # with a pipeline), micro-batches over the divisors of the global batch, every remat.
-  assert ranking.candidates == len(space) == 4 * (1 + 2 * 3) * 5 * len(REMAT_POLICIES)
+  # TP over the divisors of the NVLink domain, PP and VS over those of the layers (VS and
+  # passes only with a pipeline), micro-batches over the divisors of the global batch,
+  # every remat.
+  pipelined = 2 * 3 * len(search.PIPELINE_PASSES)
+  assert ranking.candidates == len(space) == 4 * (1 + pipelined) * 5 * len(REMAT_POLICIES)
   survivors = [c for c, _, _ in ranking.survivors]
   assert set(survivors) == {c for c in space if _valid_by_the_rules(c)}
   assert len(survivors) + sum(ranking.pruned.values()) == ranking.candidates
@@ -75,6 +79,7 @@ def test_enumeration_and_pruning_follow_the_shape_rules():
     "model.num_heads",
     "model.num_layers",
     "train.micro_batch",
+    "train.pipeline_passes",
     "train.virtual_stages",
   }
   assert (
@@ -88,6 +93,7 @@ def test_enumeration_and_pruning_follow_the_shape_rules():
   bubbles = {
     (c.pipeline_parallel, c.virtual_stages, c.micro_batch): p.bubble_fraction
     for c, p, _ in ranking.survivors
+    if c.pipeline_passes == 1
   }
   assert bubbles[(2, 1, 1)] == pytest.approx(1 / 5)  # 4 micro-batches: (P-1) / (M V + P - 1)
   assert bubbles[(1, 1, 1)] == 0
