@@ -71,13 +71,12 @@ def single_device():
   "mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes",
   [
     (MeshConfig(data=1, tensor=2, pipeline=4), "gpipe", 1, 0, True, 1),
-    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, False, 1),
     # 4 micro-batches per replica in 2 passes of 2, the moments split over data, and
     # only the elementwise ops recomputed (the MLPerf experiment's setting).
-    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, True, 2),
+    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, False, 2),
   ],
-  ids=["gpipe-pipeline4-tensor2-sequence-parallel", "interleaved-pipeline2-data2-tensor2",
-       "interleaved-2-passes-sharded-optimizer-elementwise-remat"],
+  ids=["gpipe-pipeline4-tensor2-sequence-parallel",
+       "interleaved-pipeline2-data2-tensor2-2-passes-sharded-optimizer-elementwise-remat"],
 )
 def test_pipelined_step_matches_one_device(
   mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes, single_device
@@ -94,8 +93,8 @@ def test_pipelined_step_matches_one_device(
   _assert_same((losses, params, collectives), single_device)
   # The stages hand activations on with collective permutes; the layer stack stays put.
   assert collectives["collective-permute"] >= 2
-  if not sequence_parallel:
-    assert collectives["all-gather"] == 0
+  # Sequence parallelism all-gathers activations; the split optimizer, updated parameters.
+  assert (collectives["all-gather"] > 0) == (sequence_parallel or passes > 1)
   assert program.abstract_state.params["layers"]["fc1_kernel"].sharding.spec[0] == "pipeline"
   moment = program.abstract_state.opt_state[1][0].mu["layers"]["fc1_kernel"].sharding.spec
   assert ("data" in jax.tree.leaves(tuple(moment))) == (passes > 1)
