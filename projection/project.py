@@ -254,9 +254,9 @@ def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
     growth, domains = placements[groups]
     # An all-gather's output grows with its group; the other kinds' per-device bytes don't.
     size = int(node.bytes * growth) if node.kind == "all-gather" else node.bytes
-    key = (node.kind, size, groups)
+    key = (node.kind, size, groups, node.operands)
     if key not in times:
-      times[key] = max(collectives.collective_time_s(node.kind, size, group, hw)
+      times[key] = max(collectives.collective_time_s(node.kind, size, group, hw, node.operands)
                        for group in domains)
     return times[key]
 
