@@ -227,6 +227,8 @@ def _common_sources(**extra: str) -> dict[str, str]:
     "protocols": _S_LAT,
     "nvls_latency_us": _S_NVLS_LAT,
     "kernel_launch_us": _S_LAUNCH,
+    "operand_latency_fraction": "XLA GPU runs a combined collective's operands as one "
+    "grouped NCCL call (ncclGroupStart/End): one latency",
     "tdp_w": _S_PEAK,
     "gpus_per_node": "HGX board: 8 GPUs (hardware.md)",
     "nvlink_domain_size": "hardware.md peak table (NVLink domain)",
