@@ -417,12 +417,12 @@ class _Programs:
           )
     if n > 1:
       # One all-reduce of _OPERANDS arrays, as XLA combines a step's small gradient
-      # all-reduces, moving as many bytes as the smallest single all-reduce above.
-      # One all-reduce a loop iteration: XLA splits a chain of them in one body apart.
+      # all-reduces, moving as many bytes as the smallest single all-reduce above. One
+      # a loop iteration: XLA would run a chain of them in one body operand by operand.
       elems = cfg["coll_kib"][0] * 256 // _OPERANDS
       self.add_repeated(
         f"allreduce_operands/{n}",
-        lambda v: _joined(jax.lax.psum(v, "g")),
+        lambda v: jax.lax.psum(v, "g"),
         tuple(self.local((elems,), value=1.0 / n) for _ in range(_OPERANDS)),
         8 * 512 // n**2,
       )
@@ -441,15 +441,12 @@ class _Programs:
       tokens,
     )
 
-  def operand_fraction(
-    self, cfg: dict[str, Any], f: dict[str, Any], busy_s: Callable[[str], float]
-  ) -> float:
+  def operand_fraction(self, f: dict[str, Any], busy_s: Callable[[str], float]) -> float:
     """Latency each operand of a multi-operand all-reduce adds past the first, as a
     fraction of an all-reduce's latency over all n devices. XLA:CPU runs such an
     all-reduce as one rendezvous per operand (a profiler trace of a step shows 12
     rendezvous in a 12-operand all-reduce); the step's gradient all-reduces have up to 26.
-    The all-reduce of as many bytes in one operand is the baseline; slices and the
-    concatenation around the collectives are taken out as for the other collectives."""
+    The all-reduce of as many bytes in one operand is the baseline."""
     n, name = self.n, f"allreduce_operands/{self.n}"
     work = self.work[name]
     multi_s = (
@@ -497,7 +494,7 @@ class _Programs:
           if g == n:  # bandwidth from the group of all active devices
             f[f"{kind}_alpha_s"], f[f"{kind}_beta_s_per_byte"] = alpha, beta
       f["collective_base_s"], f["collective_hop_s"] = _fit_latency(alphas)
-      f["operand_latency_fraction"] = self.operand_fraction(cfg, f, busy_s)
+      f["operand_latency_fraction"] = self.operand_fraction(f, busy_s)
     else:  # one device: nothing to communicate; a "collective" is a memory copy
       for kind in _COLLECTIVES:
         f[f"{kind}_alpha_s"] = tiny
@@ -540,13 +537,6 @@ class _Programs:
     f["reference_s"], f["reference_modelled_s"] = seconds["reference"], modelled_s(hi)
     f["reference_ops"] = work["reference"]["ops"]
     return f
-
-
-def _joined(arrays: tuple) -> tuple:
-  """Each array plus the first's first element: the next all-reduce's operands all
-  depend on this one's, so XLA combines each step's operands into one all-reduce
-  instead of running every operand's chain on its own."""
-  return tuple(a + arrays[0][:1] for a in arrays)
 
 
 _COLLECTIVES = {
