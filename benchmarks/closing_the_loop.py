@@ -129,10 +129,11 @@ def compare(
 def profile_rows(results: list[Result]) -> list[str]:
   """The host profile each configuration was projected with (per device, with that many
   devices active): matmul rate, streaming and step bandwidth, per-op overhead, collective
-  latency and bandwidth."""
+  latency, the latency each further operand of a collective adds (as a fraction), and
+  bandwidth."""
   lines = [
     f"{'configuration':<28} {'matmul GFLOP/s':>14} {'stream GB/s':>11} {'step GB/s':>9} "
-    f"{'op overhead us':>14} {'collective base + hop us':>24} "
+    f"{'op overhead us':>14} {'collective base + hop us':>24} {'per operand':>11} "
     f"{'all-reduce busbw GB/s':>21}"
   ]
   for r in results:
@@ -141,10 +142,11 @@ def profile_rows(results: list[Result]) -> list[str]:
       f"{hw.protocols[0].base_us:.0f} + {hw.protocols[0].nvlink_hop_us:.0f}" if n > 1 else "-"
     )
     busbw = f"{hw.allreduce_ring_busbw_gb_s:.1f}" if n > 1 else "-"
+    operand = f"{hw.operand_latency_fraction:.2f}" if n > 1 else "-"
     lines.append(
       f"{r.point.name:<28} {hw.achievable_f32_tflops * 1e3:>14.1f} "
       f"{hw.hbm_peak_tb_s * 1e3:>11.1f} {hw.hbm_achievable_tb_s * 1e3:>9.2f} "
-      f"{hw.kernel_launch_us:>14.1f} {latency:>24} {busbw:>21}"
+      f"{hw.kernel_launch_us:>14.1f} {latency:>24} {operand:>11} {busbw:>21}"
     )
   return lines
 

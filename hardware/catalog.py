@@ -80,6 +80,10 @@ class Hardware:
   # Bus bandwidth of all-gather / reduce-scatter / all-to-all inside a domain when
   # measured separately; None means "same as allreduce_ring_busbw_gb_s".
   allgather_busbw_gb_s: float | None = None
+  # Latency each operand of a multi-operand collective adds past the first, as a fraction
+  # of the collective's latency: 0 where the library runs them as one call (NCCL groups
+  # them); XLA:CPU's in-process collectives run a rendezvous per operand (host.py).
+  operand_latency_fraction: float = 0.0
   sources: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
   # -- derived figures ----------------------------------------------------
@@ -223,6 +227,8 @@ def _common_sources(**extra: str) -> dict[str, str]:
     "protocols": _S_LAT,
     "nvls_latency_us": _S_NVLS_LAT,
     "kernel_launch_us": _S_LAUNCH,
+    "operand_latency_fraction": "XLA GPU runs a combined collective's operands as one "
+    "grouped NCCL call (ncclGroupStart/End): one latency",
     "tdp_w": _S_PEAK,
     "gpus_per_node": "HGX board: 8 GPUs (hardware.md)",
     "nvlink_domain_size": "hardware.md peak table (NVLink domain)",

@@ -25,6 +25,11 @@ counts it (ops, bytes, dot FLOPs, collective bytes) over the program's run time:
     fitted to a latency (base + per ring step, as projection/collectives models one
     domain) and a bus bandwidth. Between CPU devices of one process a collective is a
     rendezvous plus memory copies;
+  - the latency each operand of a multi-operand all-reduce adds (XLA combines a step's
+    small gradient all-reduces into one of up to ~26 operands, and XLA:CPU runs it as
+    one rendezvous per operand, each about one collective latency): an 8-operand
+    all-reduce against a one-operand one of the same bytes, as a fraction of the
+    latency above;
   - the per-op overhead (the cost model's kernel launch): a chain of tiny dependent ops
     (~1 us an op);
   - the bandwidth a step's own ops get ("achievable", against the streaming op's
@@ -62,7 +67,7 @@ import numpy as np
 
 from hardware.catalog import Hardware, Protocol
 
-FORMAT_VERSION = 3  # 3: per-op overhead from tiny ops, step bandwidth
+FORMAT_VERSION = 4  # 4: latency per collective operand; 3: per-op overhead, step bandwidth
 CACHE_ENV = "JAX_SCALING_HOST_PROFILE"  # overrides the cache file path
 DEFAULT_CACHE = Path.home() / ".cache" / "jax-scaling" / "host_profile.json"
 
@@ -82,6 +87,7 @@ _QUICK = dict(
 )
 _MEMORY_KIB = 1024  # elementwise bandwidth on arrays of this size (per device)
 _SCAN = 4  # slices in a scanned stack
+_OPERANDS = 8  # operands of the multi-operand all-reduce
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +185,7 @@ def profile_to_hardware(entry: dict[str, Any]) -> Hardware:
       "nic_achievable_gb_s",
       "protocols",
       "kernel_launch_us",
+      "operand_latency_fraction",
     )
   }
   return Hardware(
@@ -227,6 +234,7 @@ def profile_to_hardware(entry: dict[str, Any]) -> Hardware:
     ),
     nvls_latency_us=None,
     kernel_launch_us=f["op_overhead_us"],
+    operand_latency_fraction=f.get("operand_latency_fraction", 0.0),
     sources={
       **measured,
       "gpus_per_node": "launch.py's emulated node: half the active CPU devices",
@@ -407,6 +415,17 @@ class _Programs:
             512 // n**2 if kib < 64 else 64 // n,
             g,
           )
+    if n > 1:
+      # One all-reduce of _OPERANDS arrays, as XLA combines a step's small gradient
+      # all-reduces, moving as many bytes as the smallest single all-reduce above. One
+      # a loop iteration: XLA would run a chain of them in one body operand by operand.
+      elems = cfg["coll_kib"][0] * 256 // _OPERANDS
+      self.add_repeated(
+        f"allreduce_operands/{n}",
+        lambda v: jax.lax.psum(v, "g"),
+        tuple(self.local((elems,), value=1.0 / n) for _ in range(_OPERANDS)),
+        8 * 512 // n**2,
+      )
     # Train steps of a small decoder on 1024 / n tokens per device.
     tokens = self.local((max(1, 1024 // n // 64), 64), "int32")
     self.add(
@@ -421,6 +440,23 @@ class _Programs:
       ),
       tokens,
     )
+
+  def operand_fraction(self, f: dict[str, Any], busy_s: Callable[[str], float]) -> float:
+    """Latency each operand of a multi-operand all-reduce adds past the first, as a
+    fraction of an all-reduce's latency over all n devices. XLA:CPU runs such an
+    all-reduce as one rendezvous per operand (a profiler trace of a step shows 12
+    rendezvous in a 12-operand all-reduce); the step's gradient all-reduces have up to 26.
+    The all-reduce of as many bytes in one operand is the baseline."""
+    n, name = self.n, f"allreduce_operands/{self.n}"
+    work = self.work[name]
+    multi_s = (
+      max(busy_s(name) - work["bytes"] / (f["memory_gb_s"] * 1e9), 1e-9) / work["collectives"]
+    )
+    single_s = f[f"allreduce_points_group_{n}"][0][1]
+    operands = work["collective_operands"] / work["collectives"]
+    latency_s = f["collective_base_s"] + 2 * (n - 1) * f["collective_hop_s"]
+    f["allreduce_operands_s"] = multi_s
+    return max(0.0, (multi_s - single_s) / ((operands - 1) * latency_s))
 
   def figures(self, cfg: dict[str, Any], seconds: dict[str, float]) -> dict[str, Any]:
     n, work = self.n, self.work
@@ -458,6 +494,7 @@ class _Programs:
           if g == n:  # bandwidth from the group of all active devices
             f[f"{kind}_alpha_s"], f[f"{kind}_beta_s_per_byte"] = alpha, beta
       f["collective_base_s"], f["collective_hop_s"] = _fit_latency(alphas)
+      f["operand_latency_fraction"] = self.operand_fraction(f, busy_s)
     else:  # one device: nothing to communicate; a "collective" is a memory copy
       for kind in _COLLECTIVES:
         f[f"{kind}_alpha_s"] = tiny
@@ -577,7 +614,14 @@ def _counts(compiled) -> dict[str, float]:
   from projection import hlo  # lazy: hardware/ does not otherwise need projection/
 
   program = hlo.analyze(compiled.as_text())
-  c = {"ops": 0, "bytes": 0, "dot_flops": 0.0, "collectives": 0, "collective_bytes": 0}
+  c = {
+    "ops": 0,
+    "bytes": 0,
+    "dot_flops": 0.0,
+    "collectives": 0,
+    "collective_bytes": 0,
+    "collective_operands": 0,
+  }
   for node, times in hlo.walk(program):
     if isinstance(node, hlo.Compute):
       c["ops"] += times
@@ -586,6 +630,7 @@ def _counts(compiled) -> dict[str, float]:
     elif isinstance(node, hlo.Collective):
       c["collectives"] += times
       c["collective_bytes"] += node.bytes * times
+      c["collective_operands"] += node.operands * times
   return c
 
 

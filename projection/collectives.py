@@ -83,16 +83,20 @@ def domain_of(device_id: int, hw: Hardware) -> int:
   return device_id // hw.nvlink_domain_size
 
 
-def collective_time_s(kind: str, bytes: int, group_nodes: Sequence[int], hw: Hardware) -> float:
+def collective_time_s(
+  kind: str, bytes: int, group_nodes: Sequence[int], hw: Hardware, operands: int = 1
+) -> float:
   """Predicted seconds for one collective of `bytes` (see module doc for the
-  convention per kind) over one replica group whose members sit on `group_nodes`."""
-  return collective_cost(kind, bytes, group_nodes, hw).time_s
+  convention per kind; all its `operands` together) over one replica group whose
+  members sit on `group_nodes`."""
+  return collective_cost(kind, bytes, group_nodes, hw, operands).time_s
 
 
 def collective_cost(
-  kind: str, bytes: int, group_nodes: Sequence[int], hw: Hardware
+  kind: str, bytes: int, group_nodes: Sequence[int], hw: Hardware, operands: int = 1
 ) -> CollectiveCost:
-  """As collective_time_s, with the chosen algorithm/protocol and the time split."""
+  """As collective_time_s, with the chosen algorithm/protocol and the time split. Each
+  operand past the first adds hw.operand_latency_fraction of the latency (0 on GPUs)."""
   kind = normalize_kind(kind)
   counts = list(Counter(group_nodes).values())
   n, k = len(group_nodes), len(counts)
@@ -116,7 +120,8 @@ def collective_cost(
       if best is None or lat_us * 1e-6 + xfer_s < best[2] + best[3]:
         best = (alg, proto.name, lat_us * 1e-6, xfer_s)
   assert best is not None
-  return CollectiveCost(kind, bytes, n, k, m_max, best[0], best[1], best[2], best[3])
+  latency_s = best[2] * (1 + (operands - 1) * hw.operand_latency_fraction)
+  return CollectiveCost(kind, bytes, n, k, m_max, best[0], best[1], latency_s, best[3])
 
 
 def bus_bandwidth_gb_s(kind: str, bytes: int, group_size: int, time_s: float) -> float:

@@ -24,8 +24,9 @@ Conventions (per device, since an SPMD program is one device's program):
          Bookkeeping ops (parameter, constant, tuple, get-tuple-element, bitcast, ...) are
          free and are left out of the program.
   Collectives  bytes = operand bytes per device for all-reduce, reduce-scatter (its input),
-         all-to-all, collective-permute; = output bytes per device for all-gather. Groups are
-         explicit lists of partition ids (SPMD programs have one replica).
+         all-to-all, collective-permute; = output bytes per device for all-gather, summed
+         over its operands (operands = how many arrays). Groups are explicit lists of
+         partition ids (SPMD programs have one replica).
 Control flow: while -> Loop (trip count from backend_config "known_trip_count", else from
 the condition's compare-with-constant; op_name from its metadata: the jax.named_scope path
 that says what the loop is); call and async compute are inlined; conditional inlines its
@@ -93,6 +94,9 @@ class Collective:
   done: str | None = None                        # name of the matching -done
   overlapped: tuple[str, ...] = ()               # nodes scheduled between start and done
   xla_sync: bool = False  # XLA GPU marked the start is_sync: it runs without overlap
+  # Arrays it moves: XLA combines small collectives into one with many operands, which
+  # NCCL runs as one grouped call but XLA:CPU as one rendezvous per operand.
+  operands: int = 1
 
   @property
   def group_size(self) -> int:
@@ -519,7 +523,8 @@ class _Analyzer:
     first = comp.by_name.get(ins.operands[0]) if ins.operands else None
     dtype = _dtype(first.shape if first else ins.shape)
     sync = '"is_sync":true' in ins.attrs.get("backend_config", "")
-    return Collective(ins.name, op, size, dtype, groups, pairs, is_async, xla_sync=sync)
+    return Collective(ins.name, op, size, dtype, groups, pairs, is_async, xla_sync=sync,
+                      operands=max(1, len(ins.operands)))
 
   def _loop(self, ins: _Instr, comp: _Comp) -> Loop:
     body = self.comp_nodes(ins.attrs["body"].lstrip("%"))

@@ -281,9 +281,10 @@ def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
     # Along `data` only the groups grow; per-device bytes stay as compiled: all-reduces and
     # reduce-scatters of gradients, and all-gathers of parameters (train.shard_optimizer),
     # whose output is the whole parameter at any data size.
-    key = (node.kind, node.bytes, groups)
+    key = (node.kind, node.bytes, groups, node.operands)
     if key not in times:
-      times[key] = max(collectives.collective_time_s(node.kind, node.bytes, group, hw)
+      times[key] = max(collectives.collective_time_s(node.kind, node.bytes, group, hw,
+                                                     node.operands)
                        for group in domains_of[groups])
     return times[key]
 

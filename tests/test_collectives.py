@@ -147,3 +147,15 @@ def test_every_gpu_costs_every_kind(name):
   for kind in KINDS:
     cost = collective_cost(kind, 256 * MiB, group, hw)
     assert 0 < cost.latency_s < cost.time_s < 1.0
+
+
+def test_operands_add_latency_only_where_the_hardware_runs_them_one_by_one():
+  # NCCL groups a combined collective's operands into one call; XLA:CPU (the host
+  # profile) runs a rendezvous per operand, about one latency each.
+  group = nodes(8, 8)
+  one = collective_cost("all-reduce", 32 * KiB, group, H100)
+  assert collective_cost("all-reduce", 32 * KiB, group, H100, operands=12) == one
+  serial = dataclasses.replace(H100, operand_latency_fraction=1.0)
+  twelve = collective_cost("all-reduce", 32 * KiB, group, serial, operands=12)
+  assert twelve.latency_s == pytest.approx(12 * one.latency_s)
+  assert twelve.transfer_s == one.transfer_s

@@ -169,6 +169,17 @@ def test_shard_map_collectives_kinds_bytes_and_groups():
   assert set(cp.pairs) == expected and cp.bytes == shard and not cp.groups
 
 
+def test_a_combined_all_reduce_counts_its_operands():
+  # XLA combines independent all-reduces into one of several operands (a step's
+  # gradients); its bytes are all of theirs.
+  mesh = _mesh((8,), ("x",))
+  f = jax.shard_map(lambda a, b, c: jax.lax.psum((a, b, c), "x"), mesh=mesh,
+                    in_specs=P("x"), out_specs=P("x"), check_vma=False)
+  x = jax.ShapeDtypeStruct((64,), jnp.float32)
+  (ar,) = _collectives(hlo.analyze(_compile(f, x, x, x).as_text()), "all-reduce")
+  assert ar.operands == 3 and ar.bytes == 3 * 8 * 4
+
+
 @pytest.mark.parametrize("text, groups", [
     ("{{0,1},{2,3}}", ((0, 1), (2, 3))),
     ("{}", ((0, 1, 2, 3),)),
