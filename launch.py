@@ -367,8 +367,8 @@ def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_
   pruned = sum(ranking.pruned.values())
   print(f"\n{exp.name}: {exp.model.name} on {found.gpus} {found.hardware}, global batch "
         f"{exp.train.global_batch} x {exp.model.seq_len} tokens; searched in {wall_s:.0f} s")
-  print(f"{ranking.candidates:,} configurations, {pruned:,} pruned, {len(ranking.survivors):,} valid; "
-        f"{len(found.records)} projected in prior order ({found.compiles} new compiles)")
+  print(f"{ranking.candidates:,} configurations, {pruned:,} pruned, "
+        f"{len(ranking.survivors):,} valid; {len(found.records)} projected in prior order ({found.compiles} new compiles)")
   for reason, count in ranking.pruned.items():
     print(f"  pruned {count:>6,}: {reason} (e.g. {ranking.examples[reason]})")
   best = found.best(_TOP.value)
@@ -385,8 +385,9 @@ def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_
     s = r["search"]
     memory = f"{r['memory_per_gpu_gb']:.1f} / {r['hbm_capacity_gb']:.0f}"
     step = r["step_time_s"] if r["fits"] else f"does not fit: {r['over_capacity_gb']:.1f} GB over"
+    mfu = f"{r['mfu']:.1%}" if r["fits"] else ""
     row = [s["tensor_parallel"], s["pipeline_parallel"], s["virtual_stages"], s["micro_batch"],
-           s["pipeline_passes"], s["remat"], r["mesh"]["data"], step, memory, f"{r['mfu']:.1%}" if r["fits"] else "",
+           s["pipeline_passes"], s["remat"], r["mesh"]["data"], step, memory, mfu,
            s["prior_rank"]]
     if has_ttt:
       row.insert(-1, r.get("time_to_train_min", ""))

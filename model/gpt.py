@@ -16,7 +16,6 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from jax.ad_checkpoint import checkpoint_name
 
 from model import fp8
@@ -35,6 +34,9 @@ _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Saves what Megatron keeps with sequence parallelism (Korthikanti et al. 2022): the
+    # QKV, attention and fc1 outputs and the mid-block residual; LayerNorms, GELU, FP8
+    # casts and the sequence-parallel all-gathers of the LayerNorm outputs are redone.
     "elementwise": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
 }
 
@@ -126,7 +128,8 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   qkv = tensor_parallel("btd,dchk->btchk", h, p["qkv_kernel"], residual,
                         ("embed", "qkv", "heads", "kv"), qkv_axes)
   qkv = checkpoint_name(constrain(qkv + p["qkv_bias"], qkv_axes), "qkv")
-  a = checkpoint_name(attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], cfg.attention), "attention")
+  a = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], cfg.attention)
+  a = checkpoint_name(a, "attention")
   x = x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"],
                           ("batch", "length", "act_heads", None), ("heads", "kv", "embed"),
                           residual) + p["out_bias"]

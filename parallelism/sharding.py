@@ -37,6 +37,16 @@ def named_shardings(tree: Any, mesh: Mesh) -> Any:
   return jax.tree.map(leaf, tree, is_leaf=_is_variable)
 
 
+def bytes_per_device(tree: Any, split_over: str | None = None) -> int:
+  """Bytes one device holds of a tree of sharded jax.ShapeDtypeStructs; with `split_over`,
+  only of the arrays that mesh axis splits."""
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves(tree)
+    if split_over is None or split_over in jax.tree.leaves(tuple(x.sharding.spec))
+  )
+
+
 def over_data(tree: Any, mesh: Mesh) -> Any:
   """named_shardings(tree), each array also split over `data` along its largest dimension
   per device that `data` divides: the optimizer state of Megatron's distributed optimizer

@@ -36,7 +36,7 @@ from hardware import catalog
 from hardware.catalog import Hardware
 from model.flops import param_count, train_flops_per_token
 from parallelism.mesh import AXES
-from parallelism import pipeline
+from parallelism import pipeline, sharding
 from projection import collectives, cost_model, hlo, layout, targets
 from train import step as train_step
 
@@ -87,8 +87,9 @@ def _save_kernel_cache(private: str, shared: str) -> None:
 
 
 # The gradient-accumulation loop is the while op that train/step.py's named scope names.
-# (vmapped over data-parallel replicas when it runs pipeline passes: "vmap(grad_accumulation)").
-_ACCUMULATION_OP = re.compile(rf"(^|[/(]){re.escape(train_step.GRAD_ACCUMULATION_SCOPE)}\)*/while$")
+# Vmapped over data-parallel replicas when it runs pipeline passes: "vmap(grad_accumulation)".
+_ACCUMULATION_OP = re.compile(
+  rf"(^|[/(]){re.escape(train_step.GRAD_ACCUMULATION_SCOPE)}\)*/while$")
 # The pipeline's loops: the forward one ("jvp(pipeline)/while") and its transpose
 # ("transpose(jvp(pipeline))/while"), one trip each per schedule step
 # (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
@@ -153,12 +154,8 @@ def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_na
   per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                 - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   analysis = hlo.analyze(compiled.as_text())
-  data_sharded = sum(
-    math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-    for leaf in jax.tree.leaves(program.abstract_state)
-    if "data" in jax.tree.leaves(tuple(leaf.sharding.spec)))
   return CompiledStep(analysis, per_device, target, time.perf_counter() - start, note,
-                      data_sharded)
+                      sharding.bytes_per_device(program.abstract_state, split_over="data"))
 
 
 def pipeline_loops(program: hlo.Program) -> list[int]:

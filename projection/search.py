@@ -6,8 +6,9 @@ For one experiment on N GPUs of one generation:
    remat, pipeline passes) in the space: tensor parallel over the divisors of the NVLink
    domain (8 on HGX, 72 on NVL72), pipeline and virtual stages over the divisors of the
    layer count (virtual stages and passes only with a pipeline), micro-batches over the
-   divisors of the global batch, every remat policy, PIPELINE_PASSES. Data parallelism takes the rest of the GPUs; fsdp, the
-   global batch and everything else stay as the experiment has them.
+   divisors of the global batch, every remat policy, PIPELINE_PASSES. Data parallelism
+   takes the rest of the GPUs; fsdp, the global batch and everything else stay as the
+   experiment has them.
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
    candidate that survives would compile: `project.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
@@ -25,7 +26,6 @@ The prior only orders; every reported number is a projection.
 
 import collections
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Iterator
 
@@ -36,7 +36,7 @@ from errors import UserInputError
 from hardware.catalog import Hardware
 from model.config import REMAT_POLICIES
 from model.flops import param_count, train_flops_per_token
-from parallelism import pipeline
+from parallelism import pipeline, sharding
 from parallelism.mesh import AXES, MeshConfig
 from projection import layout, project
 from train import step as train_step
@@ -166,13 +166,6 @@ def _reason(error: UserInputError) -> str:
   return found.group(0) if found else str(error)
 
 
-def _state_bytes_per_gpu(program: train_step.TrainProgram) -> int:
-  return sum(
-    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    for x in jax.tree.leaves(program.abstract_state)
-  )
-
-
 def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> Prior:
   """`Prior` of `exp` laid out as `reduced.target` on `hw`."""
   model, sizes = exp.model, reduced.target.sizes
@@ -243,7 +236,7 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
         try:
           train_cfg = dataclasses.replace(cand_exp.train, global_batch=reduced.global_batch)
           program = train_step.build(cand_exp.model, train_cfg, _abstract_mesh(reduced.sizes))
-          built[key] = _state_bytes_per_gpu(program)
+          built[key] = sharding.bytes_per_device(program.abstract_state)
         except UserInputError as e:
           built[key] = e
       if isinstance(built[key], UserInputError):

@@ -24,8 +24,9 @@ class TrainConfig:
   # backward loop each), gradients summed: the schedule runs every forward trip of a
   # pass before its backward ones, so a pass keeps the activations of all its
   # micro-batches; passes of P micro-batches keep as many as 1F1B keeps in flight, at
-  # the price of each pass's P - 1 fill and drain trips. 0: the most passes of at
-  # least P micro-batches each (parallelism/pipeline.py `passes`).
+  # the price of each pass's P - 1 fill and drain trips (and, with FP8, one weight cast
+  # per pass). 0: the most passes of at least P micro-batches each
+  # (parallelism/pipeline.py `passes`).
   pipeline_passes: int = 1
   # Adam's moments split over `data` (Megatron's distributed optimizer, ZeRO stage 1):
   # 1 / data of their memory, the same bytes moved (gradients reduce-scattered, updated
