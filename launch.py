@@ -197,7 +197,9 @@ def _pipeline_record(exp: experiments.ExperimentConfig, stages: int, micro_batch
   print(table.key_values("Pipeline", [
       ("schedule", f"{record['pipeline_schedule']}, {stages} stages x {virtual} virtual"),
       ("micro-batches", f"{micro_batches} per data-parallel replica, in {passes} pass(es)"),
-      ("loop trips", f"{record['pipeline_trips']}, bubble {record['bubble_fraction']:.1%}")]))
+      ("loop trips", f"{record['pipeline_trips']} = {passes} x "
+                     f"{pipeline.trips(per_pass, stages, virtual)}, "
+                     f"bubble {record['bubble_fraction']:.1%}")]))
   return record
 
 
