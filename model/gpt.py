@@ -24,7 +24,7 @@ from model.config import ModelConfig
 from parallelism import sequence
 from parallelism.rules import constrain
 
-SAVED_NAMES = ("mid_residual", "qkv", "attention", "fc1")
+SAVED_NAMES = ("layer_input", "mid_residual", "qkv", "attention", "fc1")
 _REMAT = {
     # No matmul is recomputed, but LayerNorm, GELU and softmax are: their intermediates
     # would otherwise be stacked over layers by the scan, written in the forward pass
@@ -120,7 +120,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
       return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes)
     return constrain(matmul(spec, h, w), out_axes)
 
-  x = constrain(x, residual)
+  x = checkpoint_name(constrain(x, residual), "layer_input")
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
   # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
   # made XLA:CPU transpose the kernel and the activations in every layer.

@@ -105,9 +105,9 @@ class Prior:
   gradients, one copy of the parameters; saved activations, per layer and token: the
   layer input (2 bytes x d_model) under full remat, the weight matmuls' outputs (9 x
   d_model, bf16; FP8 products are bf16 too) under save_dots, QKV, attention and fc1
-  outputs and a residual (18 x d_model) under elementwise, 34 x d_model bytes without
-  remat (Korthikanti et al. 2022, flash attention), split over tensor parallelism with
-  sequence parallelism. A pipelined step keeps every micro-batch's activations of its
+  outputs, the layer input and the mid-block residual (20 x d_model) under elementwise,
+  34 x d_model bytes without remat (Korthikanti et al. 2022, flash attention), split over
+  tensor parallelism with sequence parallelism. A pipelined step keeps every micro-batch's activations of its
   stage in a pass (the lockstep schedule runs a pass's forward trips before its backward
   ones); gradient accumulation keeps one micro-batch's.
 
@@ -176,7 +176,7 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   layers_per_gpu = model.num_layers / pp
   d = model.d_model
   shard = tp if model.sequence_parallel else 1
-  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "elementwise": 18 * d,
+  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "elementwise": 20 * d,
                      "none": 34 * d}[model.remat] / shard
   passes = pipeline.passes(exp.train.pipeline_passes, micro, pp) if pp > 1 else 1
   held_tokens = per_replica_tokens / passes if pp > 1 else per_replica_tokens / micro
