@@ -63,7 +63,7 @@ from experiments import overrides
 from hardware import catalog
 from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
-from parallelism import pipeline
+from parallelism import one_f_one_b, pipeline
 from projection import project
 from projection import search
 from report import results, table
@@ -187,19 +187,23 @@ def _pipeline_record(exp: experiments.ExperimentConfig, stages: int, micro_batch
   """The pipeline schedule's shape, printed and recorded when there is one."""
   if stages == 1:
     return {}
-  virtual = exp.train.virtual_stages
-  passes = pipeline.passes(exp.train.pipeline_passes, micro_batches, stages)
+  virtual, schedule = exp.train.virtual_stages, exp.train.pipeline_schedule
+  passes = pipeline.passes(exp.train.pipeline_passes, micro_batches, stages, schedule)
   per_pass = micro_batches // passes
-  record = {"pipeline_schedule": exp.train.pipeline_schedule, "virtual_stages": virtual,
+  record = {"pipeline_schedule": schedule, "virtual_stages": virtual,
             "micro_batches": micro_batches, "pipeline_passes": passes,
             "pipeline_trips": passes * pipeline.trips(per_pass, stages, virtual),
             "bubble_fraction": pipeline.bubble_fraction(per_pass, stages, virtual)}
+  if schedule == "1f1b":
+    plan = one_f_one_b.schedule(micro_batches, stages, virtual)
+    trips = (f"{plan.delay} forward, {plan.groups - 1} x {plan.group_trips} both, "
+             f"{plan.drain_trips} backward; residual slots {plan.slots} chunks")
+  else:
+    trips = f"{record['pipeline_trips']} = {passes} x {pipeline.trips(per_pass, stages, virtual)}"
   print(table.key_values("Pipeline", [
-      ("schedule", f"{record['pipeline_schedule']}, {stages} stages x {virtual} virtual"),
+      ("schedule", f"{schedule}, {stages} stages x {virtual} virtual"),
       ("micro-batches", f"{micro_batches} per data-parallel replica, in {passes} pass(es)"),
-      ("loop trips", f"{record['pipeline_trips']} = {passes} x "
-                     f"{pipeline.trips(per_pass, stages, virtual)}, "
-                     f"bubble {record['bubble_fraction']:.1%}")]))
+      ("loop trips", f"{trips}, bubble {record['bubble_fraction']:.1%}")]))
   return record
 
 
@@ -377,7 +381,7 @@ def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_
   fitting = best and best[0]["fits"]
   if not fitting:
     print(f"none of the {len(found.records)} projected fits; the least over capacity:")
-  headers = ["TP", "PP", "VS", "micro-batch", "passes", "remat", "data", "step s", "GB/GPU",
+  headers = ["TP", "PP", "VS", "micro-batch", "schedule", "remat", "data", "step s", "GB/GPU",
              "MFU", "prior rank"]
   has_ttt = any("time_to_train_min" in r for r in best)
   if has_ttt:
@@ -389,7 +393,7 @@ def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_
     step = r["step_time_s"] if r["fits"] else f"does not fit: {r['over_capacity_gb']:.1f} GB over"
     mfu = f"{r['mfu']:.1%}" if r["fits"] else ""
     row = [s["tensor_parallel"], s["pipeline_parallel"], s["virtual_stages"], s["micro_batch"],
-           s["pipeline_passes"], s["remat"], r["mesh"]["data"], step, memory, mfu,
+           s["schedule"], s["remat"], r["mesh"]["data"], step, memory, mfu,
            s["prior_rank"]]
     if has_ttt:
       row.insert(-1, r.get("time_to_train_min", ""))

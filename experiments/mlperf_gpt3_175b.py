@@ -109,14 +109,11 @@ def _published(
     f"{virtual_stages}, micro-batch {micro_batch}, GBS {global_batch} ({note})",
     model=MODEL,
     mesh=MeshConfig(data=-1, tensor=tensor, pipeline=pipeline),
-    # Passes of P micro-batches keep the activations that the published runs' interleaved
-    # 1F1B schedule keeps in flight (train.pipeline_passes 0), at the cost of P - 1 fill
-    # and drain trips per pass that 1F1B pays once a step.
+    # The published runs' interleaved 1F1B schedule (parallelism/one_f_one_b.py).
     train=dataclasses.replace(
       train_config(global_batch, micro_batch),
-      pipeline_schedule="interleaved",
+      pipeline_schedule="1f1b",
       virtual_stages=virtual_stages,
-      pipeline_passes=0,
       shard_optimizer=True,
     ),
     benchmark=BENCHMARK,

@@ -107,3 +107,17 @@ def _backward(spec, residuals, g):
 
 
 _cast_einsum.defvjp(_forward, _backward)
+
+
+def split_casts(params: dict) -> tuple[dict, dict]:
+  """Layer parameters -> (the arrays to differentiate, {name: (cast, scale)} of the
+  CastWeights among them): a hand-written backward pass (parallelism/one_f_one_b.py)
+  accumulates gradients for the first only."""
+  weights = {k: v.weight if isinstance(v, CastWeight) else v for k, v in params.items()}
+  casts = {k: (v.cast, v.scale) for k, v in params.items() if isinstance(v, CastWeight)}
+  return weights, casts
+
+
+def with_casts(weights: dict, casts: dict) -> dict:
+  """The inverse of split_casts."""
+  return {k: CastWeight(w, *casts[k]) if k in casts else w for k, w in weights.items()}

@@ -59,9 +59,12 @@ def bubble_fraction(micro_batches: int, stages: int, virtual_stages: int) -> flo
   return (stages - 1) / trips(micro_batches, stages, virtual_stages)
 
 
-def passes(requested: int, micro_batches: int, stages: int) -> int:
+def passes(requested: int, micro_batches: int, stages: int, schedule: str = "gpipe") -> int:
   """Pipeline passes per step: `requested`, or for 0 the most passes that divide the
-  micro-batches and hold at least `stages` each (1F1B's activation memory)."""
+  micro-batches and hold at least `stages` each (1F1B's activation memory); the 1f1b
+  schedule runs one."""
+  if schedule == "1f1b":
+    return 1
   if requested:
     return requested
   return max(
@@ -72,13 +75,20 @@ def passes(requested: int, micro_batches: int, stages: int) -> int:
 
 
 def check(
-  num_layers: int, stages: int, virtual_stages: int, micro_batches: int, passes: int = 1
+  num_layers: int, stages: int, virtual_stages: int, micro_batches: int, passes: int = 1,
+  schedule: str = "gpipe",
 ) -> None:
   """Bad pipeline shapes raise UserInputError naming the field."""
   if num_layers % (stages * virtual_stages):
     raise UserInputError(
       f"model.num_layers = {num_layers} does not split into mesh.pipeline "
       f"{stages} x train.virtual_stages {virtual_stages} equal chunks"
+    )
+  if schedule == "1f1b" and micro_batches % stages:
+    raise UserInputError(
+      f"train.pipeline_schedule 1f1b runs micro-batches in groups of mesh.pipeline = "
+      f"{stages}; {micro_batches} per data-parallel replica is not a multiple "
+      f"(change train.micro_batch or train.global_batch)"
     )
   if micro_batches % passes:
     raise UserInputError(
@@ -119,7 +129,7 @@ def model_order(layers: Any, stages: int, virtual_stages: int) -> Any:
   return jax.tree.map(leaf, layers)
 
 
-def _pin(x: jax.Array) -> jax.Array:
+def pin(x: jax.Array) -> jax.Array:
   """Pin the leading axis to the pipeline ranks, the rest as the partitioner likes."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -174,10 +184,10 @@ def run(
 
     buffer, entering = jax.vmap(keep, spmd_axis_name=MESH_AXIS)(buffer, y)
     is_first = (rank == 0).reshape(P, *(1,) * (y.ndim - 1))
-    return (_pin(jnp.where(is_first, entering, y)), _pin(buffer)), None
+    return (pin(jnp.where(is_first, entering, y)), pin(buffer)), None
 
-  buffer = _pin(jnp.broadcast_to(inputs, (P, *inputs.shape)))
-  x = _pin(buffer[:, 0])
+  buffer = pin(jnp.broadcast_to(inputs, (P, *inputs.shape)))
+  x = pin(buffer[:, 0])
   with rules.vmapped(MESH_AXIS), jax.named_scope(PIPELINE_SCOPE):
     (_, buffer), _ = jax.lax.scan(trip, (x, buffer), jnp.arange(trips(M, P, V)))
   return buffer[0]

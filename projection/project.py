@@ -36,7 +36,7 @@ from hardware import catalog
 from hardware.catalog import Hardware
 from model.flops import param_count, train_flops_per_token
 from parallelism.mesh import AXES
-from parallelism import pipeline, sharding
+from parallelism import one_f_one_b, pipeline, sharding
 from projection import collectives, cost_model, hlo, layout, targets
 from train import step as train_step
 
@@ -94,6 +94,11 @@ _ACCUMULATION_OP = re.compile(
 # ("transpose(jvp(pipeline))/while"), one trip each per schedule step
 # (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
 _PIPELINE_OP = re.compile(rf"(^|[/(]){re.escape(pipeline.PIPELINE_SCOPE)}\)*/while$")
+# The 1f1b schedule's loops (parallelism/one_f_one_b.py): forward-only, backward-only, and
+# the steady one inside the loop over micro-batch groups.
+_FILL_OP, _DRAIN_OP, _STEADY_OP = (
+  re.compile(rf"(^|[/(]){re.escape(scope)}\)*/while$")
+  for scope in (one_f_one_b.FILL_SCOPE, one_f_one_b.DRAIN_SCOPE, one_f_one_b.STEADY_SCOPE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,11 +176,19 @@ def _is_pipeline_loop(node: hlo.Node) -> bool:
 def pipeline_passes(program: hlo.Program) -> list[tuple[hlo.Loop, int]]:
   """The pipeline's loops with how many times each runs: once at the top of the program,
   or once per pass inside the top-level gradient-accumulation loop that runs several
-  passes (train.pipeline_passes)."""
+  passes (train.pipeline_passes); for 1f1b, its fill and drain loops once and its steady
+  loop once per trip of the loop over groups around it, in program order."""
   found = [(program.entry[i], 1) for i in pipeline_loops(program)]
   for outer in program.entry:
-    if isinstance(outer, hlo.Loop) and _ACCUMULATION_OP.search(outer.op_name):
-      found += [(n, outer.trip_count) for n in outer.body if _is_pipeline_loop(n)]
+    if not isinstance(outer, hlo.Loop):
+      continue
+    # (A loop over one group has been inlined: its steady loop is at the top.)
+    if any(op.search(outer.op_name) for op in (_FILL_OP, _STEADY_OP, _DRAIN_OP)):
+      found.append((outer, 1))
+    inner = [n for n in outer.body if isinstance(n, hlo.Loop)]
+    if _ACCUMULATION_OP.search(outer.op_name):
+      found += [(n, outer.trip_count) for n in inner if _is_pipeline_loop(n)]
+    found += [(n, outer.trip_count) for n in inner if _STEADY_OP.search(n.op_name)]
   return found
 
 
@@ -197,8 +210,8 @@ def with_micro_batches(program: hlo.Program, compiled: int, target: int,
   if target == compiled:
     return program
   if len(pipeline_passes(program)) > len(pipeline_loops(program)):
-    raise RuntimeError(f"{program.name}: a pipeline of several passes is compiled with all "
-                       f"its micro-batches ({compiled}), not {target}")
+    raise RuntimeError(f"{program.name}: a pipeline of several passes or the 1f1b schedule "
+                       f"is compiled with all its micro-batches ({compiled}), not {target}")
   loops = pipeline_loops(program)
   if loops:
     entry = list(program.entry)
@@ -228,7 +241,21 @@ def bubble_s(program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Col
   """Seconds of the pipeline's idle trips: each pipeline loop runs micro_batches / passes
   x virtual_stages busy trips and stages - 1 idle ones (fill and drain) per pass, every trip the
   same body (ranks compute in lockstep, an idle rank on stale data), so the bubble is
-  the idle trips' share of the loops' compiled time."""
+  the idle trips' share of the loops' compiled time.
+
+  The 1f1b schedule's loops run a forward and a backward chunk a trip, and every rank
+  idles stages - 1 trips of each kind: as many trips of its fill loop (forward only) and
+  of its drain loop (backward only)."""
+  fill = [n for n in program.entry if isinstance(n, hlo.Loop) and _FILL_OP.search(n.op_name)]
+  drain = [n for n in program.entry if isinstance(n, hlo.Loop) and _DRAIN_OP.search(n.op_name)]
+  if fill or drain:
+    plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
+    if [n.trip_count for n in fill + drain] != [plan.delay, plan.drain_trips]:
+      raise RuntimeError(f"{program.name}: 1f1b fill and drain loops of "
+                         f"{[n.trip_count for n in fill + drain]} trips, not the schedule's "
+                         f"{plan.delay} and {plan.drain_trips}")
+    trip_s = lambda loop: cost_model.simulate(loop.body, hw, collective_s).step_s
+    return (stages - 1) * (trip_s(fill[0]) + trip_s(drain[0]))
   loops = pipeline_passes(program)
   if stages > 1 and not loops:
     raise RuntimeError(f"{program.name}: no pipeline loop (a while op named "

@@ -3,16 +3,17 @@
 For one experiment on N GPUs of one generation:
 
 1. Enumerate every (tensor parallel, pipeline parallel, virtual stages, micro-batch,
-   remat, pipeline passes) in the space: tensor parallel over the divisors of the NVLink
+   remat, pipeline schedule) in the space: tensor parallel over the divisors of the NVLink
    domain (8 on HGX, 72 on NVL72), pipeline and virtual stages over the divisors of the
-   layer count (virtual stages and passes only with a pipeline), micro-batches over the
-   divisors of the global batch, every remat policy, PIPELINE_PASSES. Data parallelism
+   layer count (virtual stages and schedules only with a pipeline), micro-batches over the
+   divisors of the global batch, every remat policy, and as schedule 1f1b or the lockstep
+   one (gpipe, interleaved) in each of PIPELINE_PASSES passes. Data parallelism
    takes the rest of the GPUs; fsdp, the global batch and everything else stay as the
    experiment has them.
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
    candidate that survives would compile: `project.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
-   micro-batches per pass for interleaving), and `train_step.build` on an abstract mesh (heads,
+   micro-batches per pass for interleaving, in groups of the stages for 1f1b), and `train_step.build` on an abstract mesh (heads,
    MLP width and vocabulary over tensor, sequence parallelism). The reason recorded is
    the field the first failing check names. A candidate whose parameters and optimizer
    state alone (exact, from their shardings) exceed the GPU's HBM is pruned too.
@@ -36,7 +37,7 @@ from errors import UserInputError
 from hardware.catalog import Hardware
 from model.config import REMAT_POLICIES
 from model.flops import param_count, train_flops_per_token
-from parallelism import pipeline, sharding
+from parallelism import one_f_one_b, pipeline, sharding
 from parallelism.mesh import AXES, MeshConfig
 from projection import layout, project
 from train import step as train_step
@@ -59,21 +60,28 @@ class Candidate:
   micro_batch: int
   remat: str
   pipeline_passes: int = 1
+  one_f_one_b: bool = False
+
+  @property
+  def schedule(self) -> str:
+    if self.one_f_one_b:
+      return "1f1b"
+    return "interleaved" if self.virtual_stages > 1 else "gpipe"
 
   def describe(self) -> str:
     return (
       f"TP {self.tensor_parallel}, PP {self.pipeline_parallel}, VS {self.virtual_stages}, "
-      f"micro-batch {self.micro_batch}, passes {self.pipeline_passes}, remat {self.remat}"
+      f"micro-batch {self.micro_batch}, {self.schedule} in {self.pipeline_passes} pass(es), "
+      f"remat {self.remat}"
     )
 
   def assignments(self) -> tuple[str, ...]:
     """The `--set` overrides that select this configuration (experiments/overrides.py)."""
-    schedule = "interleaved" if self.virtual_stages > 1 else "gpipe"
     return (
       f"tensor_parallel={self.tensor_parallel}",
       f"pipeline_parallel={self.pipeline_parallel}",
       f"virtual_stages={self.virtual_stages}",
-      f"train.pipeline_schedule={schedule}",
+      f"train.pipeline_schedule={self.schedule}",
       f"micro_batch={self.micro_batch}",
       f"train.pipeline_passes={self.pipeline_passes}",
       f"remat={self.remat}",
@@ -89,7 +97,7 @@ class Candidate:
       exp.train,
       micro_batch=self.micro_batch,
       virtual_stages=self.virtual_stages,
-      pipeline_schedule="interleaved" if self.virtual_stages > 1 else "gpipe",
+      pipeline_schedule=self.schedule,
       pipeline_passes=self.pipeline_passes,
     )
     return dataclasses.replace(
@@ -109,7 +117,8 @@ class Prior:
   34 x d_model bytes without remat (Korthikanti et al. 2022, flash attention), split over
   tensor parallelism with sequence parallelism. A pipelined step keeps every micro-batch's activations of its
   stage in a pass (the lockstep schedule runs a pass's forward trips before its backward
-  ones); gradient accumulation keeps one micro-batch's.
+  ones); the 1f1b schedule, its forward chunks in flight (about P micro-batches' worth);
+  gradient accumulation keeps one micro-batch's.
 
   Time: model FLOPs (x 4/3 under full remat) at the achievable matmul rate, stretched by
   the pipeline's idle trips; each micro-batch reading its GPU's weights from HBM (3
@@ -158,6 +167,8 @@ def enumerate_space(exp, hw: Hardware) -> Iterator[Candidate]:
           for remat in REMAT_POLICIES:
             for passes in PIPELINE_PASSES if pp > 1 else (1,):
               yield Candidate(tp, pp, vs, mb, remat, passes)
+            if pp > 1:
+              yield Candidate(tp, pp, vs, mb, remat, 1, one_f_one_b=True)
 
 
 def _reason(error: UserInputError) -> str:
@@ -178,9 +189,15 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   shard = tp if model.sequence_parallel else 1
   per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "elementwise": 20 * d,
                      "none": 34 * d}[model.remat] / shard
-  passes = pipeline.passes(exp.train.pipeline_passes, micro, pp) if pp > 1 else 1
+  schedule = exp.train.pipeline_schedule
+  passes = pipeline.passes(exp.train.pipeline_passes, micro, pp, schedule) if pp > 1 else 1
   held_tokens = per_replica_tokens / passes if pp > 1 else per_replica_tokens / micro
-  activations = held_tokens * layers_per_gpu * per_token_layer
+  held_layers = layers_per_gpu
+  if pp > 1 and schedule == "1f1b":
+    # The forward chunks in flight: slots of a chunk's layers on one micro-batch.
+    held_tokens = per_replica_tokens / micro
+    held_layers = one_f_one_b.schedule(micro, pp, virtual).slots * layers_per_gpu / virtual
+  activations = held_tokens * held_layers * per_token_layer
   weight_bytes = param_count(model) * jax.numpy.dtype(model.param_dtype).itemsize / (tp * pp * fsdp)
 
   gpus = reduced.target.devices
@@ -226,8 +243,10 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
       stages = reduced.target.sizes["pipeline"]
       if stages > 1:
         micro = reduced.micro_batches
+        schedule = cand_exp.train.pipeline_schedule
         pipeline.check(cand_exp.model.num_layers, stages, candidate.virtual_stages, micro,
-                       pipeline.passes(cand_exp.train.pipeline_passes, micro, stages))
+                       pipeline.passes(cand_exp.train.pipeline_passes, micro, stages, schedule),
+                       schedule)
       # The model's shapes over the model-parallel axes: once the checks above pass, the
       # same for every micro-batch, virtual-stage count (a reordering of the layers) and
       # remat policy, so built once per (fsdp, tensor, pipeline).
@@ -305,6 +324,8 @@ def search(
       "virtual_stages": candidate.virtual_stages,
       "micro_batch": candidate.micro_batch,
       "pipeline_passes": candidate.pipeline_passes,
+      "schedule": (candidate.schedule if candidate.pipeline_passes == 1
+                   else f"{candidate.schedule} x {candidate.pipeline_passes}"),
       "remat": candidate.remat,
       "prior_step_s": estimate.step_s,
       "prior_memory_gb": estimate.memory_gb,

@@ -254,5 +254,19 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
     two.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program)
   assert [(loop.trip_count, repeats) for loop, repeats in passes] == [(5, 2), (5, 2)]
   loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop, _ in passes)
-  record = project.project(two, "h100", 8)
-  assert record["breakdown"]["bubble_s"] == pytest.approx(2 * loops_s / 5)
+  two_passes_bubble = project.project(two, "h100", 8)["breakdown"]["bubble_s"]
+  assert two_passes_bubble == pytest.approx(2 * loops_s / 5)
+  # 1f1b, 4 micro-batches in 2 groups: a forward-only fill of V P + P - 1 = 5 trips, one
+  # group's steady loop of P V = 4 trips, a backward-only drain of 5; each rank idles
+  # P - 1 = 1 trip of the fill and 1 of the drain.
+  one_f = dataclasses.replace(exp, train=dataclasses.replace(exp.train, pipeline_schedule="1f1b"))
+  train_cfg = dataclasses.replace(one_f.train, global_batch=reduced.global_batch)
+  program = project.compile_step(
+    one_f.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program
+  loops = project.pipeline_passes(program)
+  assert [(loop.trip_count, repeats) for loop, repeats in loops] == [(5, 1), (4, 1), (5, 1)]
+  fill, _, drain = (cost_model.simulate(loop.body, H100, timer).step_s for loop, _ in loops)
+  record = project.project(one_f, "h100", 8)
+  assert record["breakdown"]["bubble_s"] == pytest.approx(fill + drain)
+  # The same memory as those 2 passes (2 micro-batches in flight), half their idle trips.
+  assert record["breakdown"]["bubble_s"] < two_passes_bubble * 0.75

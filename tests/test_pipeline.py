@@ -15,7 +15,7 @@ from flax import nnx
 from errors import UserInputError
 from model.config import ModelConfig
 from model.gpt import GPT
-from parallelism import pipeline
+from parallelism import one_f_one_b, pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from train import data
 from train import step as train_step
@@ -68,25 +68,31 @@ def single_device():
 
 
 @pytest.mark.parametrize(
-  "mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes",
+  "mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes, split_optimizer",
   [
-    (MeshConfig(data=1, tensor=2, pipeline=4), "gpipe", 1, 0, True, 1),
+    (MeshConfig(data=1, tensor=2, pipeline=4), "gpipe", 1, 0, True, 1, False),
     # 4 micro-batches per replica in 2 passes of 2, the moments split over data, and
-    # only the elementwise ops recomputed (the MLPerf experiment's setting).
-    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, False, 2),
+    # only the elementwise ops recomputed.
+    (MeshConfig(data=2, tensor=2, pipeline=2), "interleaved", 2, 1, False, 2, True),
+    # 4 micro-batches per replica in 2 groups of 2, so every loop of the schedule runs
+    # (the MLPerf experiment's setting).
+    (MeshConfig(data=2, tensor=2, pipeline=2), "1f1b", 2, 1, True, 1, True),
   ],
   ids=["gpipe-pipeline4-tensor2-sequence-parallel",
-       "interleaved-pipeline2-data2-tensor2-2-passes-sharded-optimizer-elementwise-remat"],
+       "interleaved-pipeline2-data2-tensor2-2-passes-sharded-optimizer-elementwise-remat",
+       "interleaved-1f1b-pipeline2-data2-tensor2-sequence-parallel-sharded-optimizer-"
+       "elementwise-remat"],
 )
 def test_pipelined_step_matches_one_device(
-  mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes, single_device
+  mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes, split_optimizer,
+  single_device
 ):
   train = dataclasses.replace(
     TRAIN, pipeline_schedule=schedule, virtual_stages=virtual, micro_batch=micro_batch,
-    pipeline_passes=passes, shard_optimizer=passes > 1,
+    pipeline_passes=passes, shard_optimizer=split_optimizer,
   )
   model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel,
-                              remat="elementwise" if passes > 1 else MODEL.remat)
+                              remat="elementwise" if split_optimizer else MODEL.remat)
   program = _program(mesh_cfg, 8, model=model, train=train)
   losses, params, collectives = _train(program)
   params["layers"] = pipeline.model_order(params["layers"], mesh_cfg.pipeline, virtual)
@@ -94,10 +100,54 @@ def test_pipelined_step_matches_one_device(
   # The stages hand activations on with collective permutes; the layer stack stays put.
   assert collectives["collective-permute"] >= 2
   # Sequence parallelism all-gathers activations; the split optimizer, updated parameters.
-  assert (collectives["all-gather"] > 0) == (sequence_parallel or passes > 1)
+  assert (collectives["all-gather"] > 0) == (sequence_parallel or split_optimizer)
   assert program.abstract_state.params["layers"]["fc1_kernel"].sharding.spec[0] == "pipeline"
   moment = program.abstract_state.opt_state[1][0].mu["layers"]["fc1_kernel"].sharding.spec
-  assert ("data" in jax.tree.leaves(tuple(moment))) == (passes > 1)
+  assert ("data" in jax.tree.leaves(tuple(moment))) == split_optimizer
+
+
+@pytest.mark.parametrize("micro_batches, stages, virtual", [(4, 4, 1), (8, 2, 3), (64, 8, 6), (8, 8, 12)])
+def test_one_f_one_b_schedule_keeps_its_order(micro_batches, stages, virtual):
+  """Each chunk of each micro-batch forward on every rank in turn, its input arriving from
+  the rank before on the trip before; backward in the reverse order, after its forward and
+  after the head; every slot read backward holding that chunk's forward residuals."""
+  M, P, V = micro_batches, stages, virtual
+  plan = one_f_one_b.schedule(M, P, V)
+  table = plan.table
+  assert len(table) == plan.delay + (plan.groups - 1) * plan.group_trips + plan.drain_trips
+  forward, backward, slot_holds, head_done = {}, {}, {}, {}
+  boundaries = {plan.delay + g * plan.group_trips: g for g in range(plan.groups)}
+  for t, rows in enumerate(table):
+    if t in boundaries:  # the head of group g runs before this trip
+      for i in range(P):
+        assert forward[(P - 1, V - 1, boundaries[t] * P + i)] < t
+        head_done[boundaries[t] * P + i] = t
+    for s, row in enumerate(rows):
+      k = t - s
+      if 0 <= k < M * V:
+        v, m = row[one_f_one_b.F_CHUNK], row[one_f_one_b.F_MICRO]
+        if s > 0:
+          assert forward[(s - 1, v, m)] == t - 1
+        elif v > 0:
+          assert forward[(P - 1, v - 1, m)] == t - 1
+        assert row[one_f_one_b.F_FROM_INPUT] == (s == 0 and v == 0)
+        assert row[one_f_one_b.F_SLOT] not in slot_holds.get(s, {})
+        slot_holds.setdefault(s, {})[row[one_f_one_b.F_SLOT]] = (v, m)
+        forward[(s, v, m)] = t
+      if row[one_f_one_b.B_VALID]:
+        v, slot = row[one_f_one_b.B_CHUNK], row[one_f_one_b.B_SLOT]
+        v_m = slot_holds[s].pop(slot)
+        assert v_m[0] == v and forward[(s, *v_m)] < t
+        m = v_m[1]
+        if s < P - 1:
+          assert backward[(s + 1, v, m)] == t - 1
+        elif v < V - 1:
+          assert backward[(0, v + 1, m)] == t - 1
+        else:
+          assert head_done[m] <= t and row[one_f_one_b.B_HEAD_ROW] == m % P
+        backward[(s, v, m)] = t
+  assert len(forward) == len(backward) == P * V * M
+  assert plan.slots <= plan.delay + P
 
 
 def test_passes_of_at_least_the_stage_count_by_default():
@@ -197,8 +247,18 @@ def test_fp8_matches_bf16_within_quantisation_error():
     ),
     (
       MeshConfig(data=2, pipeline=4),
-      dataclasses.replace(TRAIN, pipeline_schedule="1f1b"),
-      "train.pipeline_schedule must be one of gpipe, interleaved",
+      dataclasses.replace(TRAIN, pipeline_schedule="1F1B"),
+      "train.pipeline_schedule must be one of gpipe, interleaved, 1f1b",
+    ),
+    (
+      MeshConfig(data=2, tensor=2, pipeline=2),
+      dataclasses.replace(TRAIN, micro_batch=4, pipeline_schedule="1f1b"),
+      "runs micro-batches in groups of mesh.pipeline = 2; 1 per data-parallel",
+    ),
+    (
+      MeshConfig(data=2, tensor=2, pipeline=2),
+      dataclasses.replace(TRAIN, micro_batch=1, pipeline_schedule="1f1b", pipeline_passes=2),
+      "train.pipeline_passes must be 0 or 1 with the 1f1b schedule",
     ),
   ],
 )

@@ -57,6 +57,8 @@ def _valid_by_the_rules(c: search.Candidate, gpus: int = 8) -> bool:
   if t.global_batch % (data * mb):
     return False
   micro_batches = t.global_batch // data // mb
+  if c.one_f_one_b:
+    return micro_batches % pp == 0
   if micro_batches % c.pipeline_passes:
     return False
   return vs == 1 or micro_batches // c.pipeline_passes >= pp
@@ -66,9 +68,9 @@ def test_enumeration_and_pruning_follow_the_shape_rules():
   ranking = search.rank(SMALL, H100, 8)
   space = list(search.enumerate_space(SMALL, H100))
   # TP over the divisors of the NVLink domain, PP and VS over those of the layers (VS and
-  # passes only with a pipeline), micro-batches over the divisors of the global batch,
-  # every remat.
-  pipelined = 2 * 3 * len(search.PIPELINE_PASSES)
+  # schedules only with a pipeline: 1f1b, or lockstep in each number of passes),
+  # micro-batches over the divisors of the global batch, every remat.
+  pipelined = 2 * 3 * (len(search.PIPELINE_PASSES) + 1)
   assert ranking.candidates == len(space) == 4 * (1 + pipelined) * 5 * len(REMAT_POLICIES)
   survivors = [c for c, _, _ in ranking.survivors]
   assert set(survivors) == {c for c in space if _valid_by_the_rules(c)}
@@ -80,6 +82,7 @@ def test_enumeration_and_pruning_follow_the_shape_rules():
     "model.num_layers",
     "train.micro_batch",
     "train.pipeline_passes",
+    "train.pipeline_schedule",
     "train.virtual_stages",
   }
   assert (

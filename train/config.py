@@ -5,7 +5,7 @@ import dataclasses
 from errors import UserInputError
 
 TASKS = ("synthetic", "learnable", "tokens")
-PIPELINE_SCHEDULES = ("gpipe", "interleaved")
+PIPELINE_SCHEDULES = ("gpipe", "interleaved", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +17,10 @@ class TrainConfig:
   micro_batch: int = 0
   # With mesh.pipeline > 1 the micro-batches flow through the pipeline stages instead
   # (parallelism/pipeline.py). gpipe: each stage's layers in one piece; interleaved: in
-  # `virtual_stages` chunks, a micro-batch circling the stages that many times.
+  # `virtual_stages` chunks, a micro-batch circling the stages that many times; 1f1b:
+  # either (by virtual_stages), each micro-batch's backward run as soon as its forward
+  # is through, so only the micro-batches in flight keep activations
+  # (parallelism/one_f_one_b.py).
   pipeline_schedule: str = "gpipe"
   virtual_stages: int = 1
   # The micro-batches go through the pipeline in this many passes (a forward and a
@@ -69,6 +72,9 @@ class TrainConfig:
     if self.pipeline_schedule == "interleaved" and self.virtual_stages < 2:
       raise UserInputError(f"train.virtual_stages must be at least 2 with the interleaved "
                            f"schedule, got {self.virtual_stages} (1 is gpipe)")
+    if self.pipeline_schedule == "1f1b" and self.pipeline_passes > 1:
+      raise UserInputError(f"train.pipeline_passes must be 0 or 1 with the 1f1b schedule, got "
+                           f"{self.pipeline_passes} (it keeps only what is in flight anyway)")
     if self.task not in TASKS:
       raise UserInputError(f"train.task must be one of {', '.join(TASKS)}, got {self.task!r}")
     if self.task == "tokens" and not self.data_path:

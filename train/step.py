@@ -16,8 +16,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from errors import UserInputError
 from model.config import ModelConfig
+from model import fp8
 from model.gpt import GPT, run_layers
-from parallelism import pipeline, rules, sharding
+from parallelism import one_f_one_b, pipeline, rules, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
 
@@ -83,10 +84,13 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
                          f"{per_replica} sequences per data-parallel replica")
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
-  passes = pipeline.passes(train_cfg.pipeline_passes, micro_batches, stages) if pipelined else 1
+  pipeline_schedule = train_cfg.pipeline_schedule
+  passes = (pipeline.passes(train_cfg.pipeline_passes, micro_batches, stages, pipeline_schedule)
+            if pipelined else 1)
   per_pass = micro_batches // passes
   if pipelined:
-    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches, passes)
+    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches, passes,
+                   pipeline_schedule)
   abstract = jax.eval_shape(init)
   sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
@@ -137,6 +141,39 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       return grad_fn(params, jax.tree.map(lambda x: x[0], micro))
     return accumulated(grad_fn, params, micro)
 
+  def one_f_one_b_loss_and_grads(params, rows):
+    # rows [B/R, T]: one data-parallel replica's share, its micro-batches [M, mb, T]
+    # through the 1F1B schedule, which runs the backward pass itself: the embedding and
+    # the layers' casts before it are differentiated here with jax.vjp, the head in it.
+    micro = split(rows)
+    group_targets = micro["targets"].reshape(-1, stages, *micro["targets"].shape[1:])
+    rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
+
+    def front(params):
+      model = nnx.merge(graphdef, params)
+      return jax.vmap(model.embed)(micro["inputs"]), model.layer_params()
+
+    (x, layer_params), front_vjp = jax.vjp(front, params)
+    weights, casts = fp8.split_casts(layer_params)
+
+    def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
+      def group_loss(rest, ys):
+        model = nnx.merge(graphdef, nnx.State({**rest, "layers": params["layers"]}))
+        logits = jax.vmap(model.head, spmd_axis_name=pipeline.MESH_AXIS)(ys)
+        return cross_entropy(logits, group_targets[group]) * stages / micro_batches
+      loss, vjp = jax.vjp(group_loss, rest, ys)
+      d_rest, d_ys = vjp(jnp.ones_like(loss))
+      return loss, d_ys, d_rest
+
+    loss, d_weights, d_x, d_rest = one_f_one_b.run(
+        lambda x, w, c: run_layers(model_cfg, x, fp8.with_casts(w, c)),
+        weights, casts, x, head, stages, virtual)
+    zero_casts = jax.tree.map(jnp.zeros_like, casts)
+    grads = front_vjp((d_x, fp8.with_casts(d_weights, zero_casts)))[0]
+    head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
+    return loss, jax.tree_util.tree_map_with_path(
+        lambda path, g: g + head_grads[path] if path in head_grads else g, grads)
+
   def loss_and_grads(params, batch):
     if pipelined:
       # Each replica accumulates its own gradients (vmapped with the weights unbatched:
@@ -145,7 +182,9 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       replicas = mesh.shape["data"]
       rows = jax.tree.map(lambda x: x.reshape(replicas, -1, x.shape[-1]), batch)  # [R, B/R, T]
       with rules.vmapped("data"):
-        per_replica = jax.vmap(replica_loss_and_grads, in_axes=(None, 0),
+        replica = (one_f_one_b_loss_and_grads if pipeline_schedule == "1f1b"
+                   else replica_loss_and_grads)
+        per_replica = jax.vmap(replica, in_axes=(None, 0),
                                spmd_axis_name="data")(params, rows)
       # Summed in the gradients' own dtype, as the reduction over `data` runs (jnp.sum
       # would convert bfloat16 to float32 first and all-reduce twice the bytes).

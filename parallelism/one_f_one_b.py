@@ -1,0 +1,298 @@
+"""The 1F1B pipeline schedule (train.pipeline_schedule "1f1b"; interleaved with V > 1).
+
+pipeline.py runs every forward trip of a pass before its backward trips (autodiff of one
+loop), so a pass keeps all its micro-batches' activations and pays the P - 1 fill and
+drain trips once per pass. Here each trip runs one forward chunk and one backward chunk
+per rank, the backward written out with `jax.vjp` (the residuals of each forward chunk
+are kept in slots until its backward), so the fill and drain are paid once a step
+(Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters
+using Megatron-LM", the interleaved schedule).
+
+Layout as in pipeline.py: rank s holds chunks v = 0 .. V-1 of C layers, model chunk
+v P + s. Micro-batches go in groups of P (M must be a multiple of P): forward item
+k = g P V + v P + i is chunk v of micro-batch m = g P + i, run by rank s at trip k + s,
+so a micro-batch leaving rank P-1 re-enters rank 0 for its next chunk on the next trip.
+Backward item j = g P V + c P + i is chunk V-1-c of micro-batch g P + i (chunks in
+reverse), run by rank s at trip j + D + (P-1-s), flowing from rank s to s-1, with
+
+    D = V P + P - 1:
+
+the forward trips of group g's last chunks end on rank P-1 at trip g P V + D - 1, the
+loss head runs on the group's P outputs between loops (in a trip it would need a
+conditional: trips differ in whether a group ends), and its gradients enter rank P-1's
+backward from trip B_g = g P V + D. The loops, all ranks in lockstep, a rank computing on
+stale data where the schedule has nothing for it (its gradient zeroed):
+
+    fill    D trips, forward only
+    steady  G - 1 times: head of group g, then P V trips, forward and backward
+    drain   head of the last group, then P V + P - 1 trips, backward only
+
+Every rank runs M V forward and M V backward chunks in M V + P - 1 trips of each kind:
+the bubble is (P - 1) / (M V + P - 1), as one GPipe pass of all M micro-batches, while a
+rank keeps at most D + P forward chunks' residuals (a slot read backward is reused from
+the next trip): P + (2 P - 1) / V micro-batches' worth of its layers, against about
+P + (P - 1) / V in Megatron's schedule, whose head runs inside the pipeline.
+
+The backward is jax.vjp's: a forward chunk's vjp is a pytree whose leaves are its
+residuals (what the remat policy saves, the chunk input among them); they go into the
+slots, except the leaves that are the chunk's weights themselves, which are sliced again.
+"""
+
+import dataclasses
+import functools
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parallelism import rules
+from parallelism.pipeline import MESH_AXIS, pin
+
+# Name scopes of the three loops; the projection finds them by their while ops' op_name.
+FILL_SCOPE = "pipeline_fill"
+STEADY_SCOPE = "pipeline_steady"
+DRAIN_SCOPE = "pipeline_drain"
+
+# Columns of the schedule table, one row per trip and rank.
+(
+  F_CHUNK,
+  F_FROM_INPUT,
+  F_MICRO,
+  F_SLOT,
+  F_OUT,
+  B_VALID,
+  B_CHUNK,
+  B_SLOT,
+  B_FROM_HEAD,
+  B_HEAD_ROW,
+  B_OUT,
+) = range(11)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  micro_batches: int
+  stages: int
+  virtual_stages: int
+  table: np.ndarray  # [trips, P, 11] int32, the columns above
+  slots: int  # residual slots per rank; slot `slots` takes idle trips' writes
+
+  @property
+  def delay(self) -> int:
+    return self.virtual_stages * self.stages + self.stages - 1
+
+  @property
+  def groups(self) -> int:
+    return self.micro_batches // self.stages
+
+  @property
+  def group_trips(self) -> int:
+    return self.stages * self.virtual_stages
+
+  @property
+  def drain_trips(self) -> int:
+    return self.group_trips + self.stages - 1
+
+
+def trips(micro_batches: int, stages: int, virtual_stages: int) -> int:
+  """Trips of each kind (forward, backward) per rank, busy or idle."""
+  return micro_batches * virtual_stages + stages - 1
+
+
+@functools.lru_cache(maxsize=32)
+def schedule(micro_batches: int, stages: int, virtual_stages: int) -> Schedule:
+  M, P, V = micro_batches, stages, virtual_stages
+  D = V * P + P - 1
+  total = M * V + D + P - 1
+  table = np.zeros((total, P, 11), np.int32)
+  table[:, :, F_OUT] = P  # the head buffer's spare row
+  table[:, :, B_OUT] = M  # the input-gradient buffer's spare row
+  # Each rank takes its lowest free slot; a slot read backward is free from the next trip.
+  slot_of, free, used = {}, [list(range(M * V)) for _ in range(P)], 0
+  for t in range(total):
+    released = []
+    for s in range(P):
+      row = table[t, s]
+      j = t - D - (P - 1 - s)
+      if 0 <= j < M * V:
+        g, r = divmod(j, P * V)
+        c, i = divmod(r, P)
+        v, m = V - 1 - c, g * P + i
+        row[B_VALID], row[B_CHUNK], row[B_HEAD_ROW] = 1, v, i
+        row[B_SLOT] = slot_of.pop((s, v, m))
+        row[B_FROM_HEAD] = s == P - 1 and v == V - 1
+        if s == 0 and v == 0:
+          row[B_OUT] = m
+        released.append((s, row[B_SLOT]))
+      k = t - s
+      row[F_SLOT] = -1
+      if 0 <= k < M * V:
+        g, r = divmod(k, P * V)
+        v, i = divmod(r, P)
+        m = g * P + i
+        row[F_CHUNK], row[F_MICRO] = v, m
+        row[F_FROM_INPUT] = s == 0 and v == 0
+        row[F_SLOT] = slot_of[(s, v, m)] = heapq.heappop(free[s])
+        used = max(used, row[F_SLOT] + 1)
+        if s == P - 1 and v == V - 1:
+          row[F_OUT] = i
+    for s, slot in released:
+      heapq.heappush(free[s], slot)
+  table[:, :, F_SLOT] = np.where(table[:, :, F_SLOT] < 0, used, table[:, :, F_SLOT])
+  return Schedule(M, P, V, table, used)
+
+
+def run(
+  chunk_fn: Callable[[jax.Array, Any, Any], jax.Array],
+  weights: Any,
+  constants: Any,
+  inputs: jax.Array,
+  head: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Any]],
+  stages: int,
+  virtual_stages: int,
+) -> tuple[jax.Array, Any, jax.Array, Any]:
+  """One data-parallel replica's forward and backward through the pipeline.
+
+  chunk_fn(x, chunk_weights, chunk_constants): C layers (the rows of a rank's stack that
+  make up one chunk) on one micro-batch x [b, ...]. weights: the stacked layer parameters to
+  differentiate, [L, ...] in stage order, sharded over `pipeline`; constants: stacked
+  arrays the chunks read but are not differentiated for (FP8 weight casts). inputs
+  [M, b, ...]: the embedded micro-batches. head(ys, g): on group g's last-layer outputs
+  ys [P, b, ...], its loss, the loss's gradient for ys and any gradients of its own.
+
+  Returns (summed head losses, gradients of weights [L, ...], of inputs [M, b, ...],
+  summed head gradients).
+  """
+  P, V, M = stages, virtual_stages, inputs.shape[0]
+  plan = schedule(M, P, V)
+  C = jax.tree.leaves(weights)[0].shape[0] // (P * V)
+  # [L, ...] -> [P, V C, ...]: splits the sharded axis along its blocks, no data moves.
+  by_rank = lambda tree: jax.tree.map(lambda x: x.reshape(P, V * C, *x.shape[1:]), tree)
+  rank_weights, rank_constants = by_rank(weights), by_rank(constants)
+  structure = {}  # of the forward's vjp: its tree, and for each leaf a shared leaf or None
+
+  def chunk_rows(tree, first):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, C), tree)
+
+  def forward(x, w, consts, first):
+    # The chunk's rows are sliced outside the vjp, so the weight gradient has C rows, not
+    # the whole stack; a residual that is one of those rows is sliced again backward
+    # rather than kept.
+    w, consts = chunk_rows(w, first), chunk_rows(consts, first)
+    y, vjp = jax.vjp(lambda x, w: chunk_fn(x, w, consts), x, w)
+    leaves, treedef = jax.tree.flatten(vjp)
+    shared = jax.tree.leaves((w, consts))
+    if "vjp" not in structure:
+      index = {id(leaf): n for n, leaf in enumerate(shared)}
+      structure["vjp"] = treedef, tuple(index.get(id(leaf)) for leaf in leaves)
+    _, sources = structure["vjp"]
+    if len(leaves) != len(sources) or any(
+      n is not None and leaf is not shared[n] for leaf, n in zip(leaves, sources)
+    ):
+      raise RuntimeError("a pipeline chunk's residuals differ between traces")
+    return y, [leaf for leaf, n in zip(leaves, sources) if n is None]
+
+  def backward(kept, w, consts, first, g):
+    """(input gradient, the chunk's weight gradient [C, ...])."""
+    treedef, sources = structure["vjp"]
+    shared, kept = jax.tree.leaves((chunk_rows(w, first), chunk_rows(consts, first))), iter(kept)
+    leaves = [next(kept) if n is None else shared[n] for n in sources]
+    return jax.tree.unflatten(treedef, leaves)(g)
+
+  def add_rows(total, part, first):
+    return jax.lax.dynamic_update_slice_in_dim(
+      total, jax.lax.dynamic_slice_in_dim(total, first, C) + part, first, 0
+    )
+
+  def rank_trip(w, consts, row, carry, do_forward, do_backward):
+    x, g, slots, grads, outs, dys, d_inputs = carry
+    y, dx = x, g  # what an idle direction passes on
+    if do_forward:
+      entering = jnp.where(row[F_FROM_INPUT] == 1, inputs[row[F_MICRO]], x)
+      y, kept = forward(entering, w, consts, row[F_CHUNK] * C)
+      slots = [
+        jax.lax.dynamic_update_index_in_dim(s, a, row[F_SLOT], 0) for s, a in zip(slots, kept)
+      ]
+      outs = jax.lax.dynamic_update_index_in_dim(outs, y, row[F_OUT], 0)
+    if do_backward:
+      # An idle trip's gradient is zero, so its weight gradient adds nothing.
+      g = jnp.where(row[B_FROM_HEAD] == 1, dys[row[B_HEAD_ROW]], g) * row[B_VALID].astype(g.dtype)
+      kept = [s[row[B_SLOT]] for s in slots]
+      first = row[B_CHUNK] * C
+      dx, dw = backward(kept, w, consts, first, g)
+      grads = jax.tree.map(lambda total, part: add_rows(total, part, first), grads, dw)
+      d_inputs = jax.lax.dynamic_update_index_in_dim(d_inputs, dx, row[B_OUT], 0)
+    return y, dx, slots, grads, outs, dys, d_inputs
+
+  def loop(carry, rows, do_forward, do_backward):
+    def trip(carry, row):  # row [P, 11]
+      y, dx, *rest = jax.vmap(
+        functools.partial(rank_trip, do_forward=do_forward, do_backward=do_backward),
+        in_axes=(0, 0, 0, 0),
+        spmd_axis_name=MESH_AXIS,
+      )(rank_weights, rank_constants, row, carry)
+      # Forward outputs move one rank on, gradients one rank back.
+      return jax.tree.map(pin, (jnp.roll(y, 1, 0), jnp.roll(dx, -1, 0), *rest)), None
+
+    return jax.lax.scan(trip, carry, rows)[0]
+
+  def run_head(carry, loss, head_grads, group):
+    x, g, slots, grads, outs, _, d_inputs = carry
+    group_loss, dys, group_grads = head(outs[P - 1, :P], group)
+    dys = pin(jnp.broadcast_to(dys, (P, *dys.shape)))  # rank P-1 reads them
+    return (
+      (x, g, slots, grads, outs, dys, d_inputs),
+      loss + group_loss,
+      jax.tree.map(jnp.add, head_grads, group_grads),
+    )
+
+  per_rank = lambda a: pin(jnp.zeros((P, *a.shape), a.dtype))
+  sample = inputs[0]
+  with rules.vmapped(MESH_AXIS):
+    # The forward traced once for the residuals' shapes (and the vjp's structure).
+    kept_shapes = jax.eval_shape(
+      lambda x, first: jax.vmap(
+        lambda x, w, c: forward(x, w, c, first)[1], spmd_axis_name=MESH_AXIS
+      )(x, rank_weights, rank_constants),
+      jnp.zeros((P, *sample.shape), sample.dtype),
+      jnp.zeros((), jnp.int32),
+    )
+  slots = [pin(jnp.zeros((P, plan.slots + 1, *a.shape[1:]), a.dtype)) for a in kept_shapes]
+  carry = (
+    per_rank(sample),
+    per_rank(sample),
+    slots,
+    jax.tree.map(lambda a: pin(jnp.zeros_like(a)), rank_weights),
+    per_rank(jnp.zeros((P + 1, *sample.shape), sample.dtype)),
+    per_rank(jnp.zeros((P, *sample.shape), sample.dtype)),
+    per_rank(jnp.zeros((M + 1, *sample.shape), sample.dtype)),
+  )
+  rows = jnp.asarray(plan.table)
+  D, G, steady = plan.delay, plan.groups, plan.group_trips
+  head_shapes = jax.eval_shape(head, jnp.zeros((P, *sample.shape), sample.dtype), 0)
+  loss = jnp.zeros((), jnp.float32)
+  head_grads = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), head_shapes[2])
+  with rules.vmapped(MESH_AXIS):
+    with jax.named_scope(FILL_SCOPE):
+      carry = loop(carry, rows[:D], True, False)
+
+    def group_step(state, group_rows):
+      carry, loss, head_grads, group = state
+      carry, loss, head_grads = run_head(carry, loss, head_grads, group)
+      with jax.named_scope(STEADY_SCOPE):
+        carry = loop(carry, group_rows, True, True)
+      return (carry, loss, head_grads, group + 1), None
+
+    if G > 1:
+      state = (carry, loss, head_grads, jnp.zeros((), jnp.int32))
+      group_rows = rows[D : D + (G - 1) * steady].reshape(G - 1, steady, *rows.shape[1:])
+      (carry, loss, head_grads, _), _ = jax.lax.scan(group_step, state, group_rows)
+    carry, loss, head_grads = run_head(carry, loss, head_grads, G - 1)
+    with jax.named_scope(DRAIN_SCOPE):
+      carry = loop(carry, rows[D + (G - 1) * steady :], False, True)
+  grads, d_inputs = carry[3], carry[6]
+  unstack = lambda x: x.reshape(P * V * C, *x.shape[2:])
+  return loss, jax.tree.map(unstack, grads), d_inputs[0, :M], head_grads
