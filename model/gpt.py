@@ -143,7 +143,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 
 def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array],
-               chunk: tuple[jax.Array, int] | None = None) -> jax.Array:
+               chunk: tuple[jax.Array, int] | None = None, unroll: bool = False) -> jax.Array:
   """Layers of a stack (leading axis of each parameter) on x, under the remat policy: all of
   them, or with chunk = (first, count) the stack's rows first .. first + count - 1.
 
@@ -157,7 +157,7 @@ def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array
   step = jax.checkpoint(lambda carry, p: (block(cfg, carry, p), None), policy=policy,
                         prevent_cse=False)
   if chunk is None:
-    return jax.lax.scan(step, x, layer_params)[0]
+    return jax.lax.scan(step, x, layer_params, unroll=unroll)[0]
   first, count = chunk
 
   @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)

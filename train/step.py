@@ -166,7 +166,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       return loss, d_ys, d_rest
 
     loss, d_weights, d_x, d_rest = one_f_one_b.run(
-        lambda x, w, c: run_layers(model_cfg, x, fp8.with_casts(w, c)),
+        lambda x, w, c: run_layers(model_cfg, x, fp8.with_casts(w, c), unroll=True),
         weights, casts, x, head, stages, virtual)
     zero_casts = jax.tree.map(jnp.zeros_like, casts)
     grads = front_vjp((d_x, fp8.with_casts(d_weights, zero_casts)))[0]
