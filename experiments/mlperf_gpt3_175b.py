@@ -82,7 +82,7 @@ def train_config(global_batch: int, micro_batch: int) -> TrainConfig:
 # with sequence parallelism (Korthikanti et al. 2022): QKV, attention and fc1 outputs
 # and the residual stream, the LayerNorms' all-gathers redone in the backward pass
 # (remat "elementwise"; "none" would keep every dot output, the all-gathered full-sequence
-# ones included, and 512 GPUs would need 94 of 86 GB).
+# ones included).
 MODEL = dataclasses.replace(
   preset("gpt3-175b"),
   param_dtype="bfloat16",

@@ -28,6 +28,9 @@ the move is `jnp.roll` along it, which XLA partitions into a collective-permute.
 one data-parallel replica's pipeline; the train step vmaps it over the replicas (see
 train/step.py), so that each replica accumulates its own weight gradients through the
 backward loop and they are reduced over `data` once, not once per trip.
+
+parallelism/one_f_one_b.py runs the same layout under the 1F1B schedule, its backward
+written out instead of derived from this loop.
 """
 
 from collections.abc import Callable
