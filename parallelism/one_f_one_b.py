@@ -203,6 +203,9 @@ def run(
     return jax.tree.unflatten(treedef, leaves)(g)
 
   def add_rows(total, part, first):
+    # Written as the stack plus a zero-padded part, which XLA rewrites into an in-place
+    # update of the C rows; slicing, adding and writing the rows back explicitly became a
+    # scatter into a temporary and a copy under the stage vmap (512 H100: 0.3 s a step).
     return total + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(total), part, first, 0)
 
   def rank_trip(w, consts, row, carry, do_forward, do_backward):
