@@ -125,14 +125,12 @@ def _published(
 # to these points. The published step is about 0.97 s at 10,752 GPUs and 9.6 s at 512
 # (3.92 and 49.80 min over 220 + 22 and 288 + 24 step-equivalents of training and
 # evaluation); the projection's FLOP-bound work at the catalog's measured FP8 rate is
-# 0.43 and 6.5 s of it (idle trips aside), as the model's FLOPs say it should be. The
-# rest of the projected step (1.35 and 18.6 s: +38% and +91% time to train, both now
-# fitting, 46 and 73 GB) is work the published runs do not do or hide: the fill and drain
-# trips of every pipeline pass (1F1B pays them once a step), FP8 activation casts in
-# passes of their own, and collectives the loops leave exposed. Less the named loop
-# overheads the points are +28% and +71%: the residual is not one factor, so no single
-# HBM or matmul efficiency per generation could fit both; fitting one would only absorb
-# the program's overheads into the hardware figures.
+# 0.43 and 6.5 s of it, as the model's FLOPs say it should be. The rest of the projected
+# step (1.31 and 12.2 s: +34% and +28% time to train, 42 and 68 GB) is work the published
+# runs fuse or hide: weight gradients added into the stage's stack every trip, FP8 casts
+# in passes of their own, weight slices copied every trip, and collectives the loops leave
+# exposed. Neither residual is a hardware figure, so fitting an HBM or matmul efficiency
+# would only absorb the program's overheads into the figures every projection uses.
 PUBLISHED = {
   "eos_10752": (10752, _published("eos_10752", 10752, 4, 8, 12, 1, 2688, "v3.1, 3.92 min")),
   "eos_512": (512, _published("eos_512", 512, 4, 8, 6, 2, 2048, "v4.1, 49.80 min")),
