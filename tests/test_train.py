@@ -46,10 +46,8 @@ def single_device():
     (MeshConfig(data=8, fsdp=1, tensor=1), 0, False),
     (MeshConfig(data=1, fsdp=8, tensor=1), 0, False),
     (MeshConfig(data=2, fsdp=1, tensor=4), 0, True),
-    (MeshConfig(data=2, fsdp=2, tensor=2), 0, False),
     (MeshConfig(data=2, fsdp=2, tensor=2), 1, False),
-], ids=["data8", "fsdp8", "data2-tensor4-sharded-optimizer", "data2-fsdp2-tensor2",
-        "2x2x2-micro-batches"])
+], ids=["data8", "fsdp8", "data2-tensor4-sharded-optimizer", "2x2x2-micro-batches"])
 def test_sharded_step_matches_one_device(mesh_cfg, micro_batch, shard_optimizer, single_device):
   losses_1, params_1 = single_device
   train = dataclasses.replace(TRAIN, micro_batch=micro_batch, shard_optimizer=shard_optimizer)
