@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import heapq
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,18 @@ DRAIN_SCOPE = "pipeline_drain"
   B_HEAD_ROW,
   B_OUT,
 ) = range(11)
+
+
+class _Carry(NamedTuple):
+  """What the loops carry; every field per rank, leading axis P."""
+
+  x: jax.Array  # the input of this trip's forward chunk [P, b, ...]
+  g: jax.Array  # the output gradient of this trip's backward chunk [P, b, ...]
+  slots: list  # forward residuals, each [P, slots + 1, ...]
+  grads: Any  # weight gradients, as the stacked weights [P, V C, ...]
+  outs: jax.Array  # the current group's last-layer outputs [P, P + 1, b, ...] (rank P-1's)
+  dys: jax.Array  # their loss gradients [P, P, b, ...] (for rank P-1)
+  d_inputs: jax.Array  # input gradients by micro-batch [P, M + 1, b, ...] (rank 0's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +221,10 @@ def run(
     return total + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(total), part, first, 0)
 
   def rank_trip(w, consts, row, carry, do_forward, do_backward):
-    x, g, slots, grads, outs, dys, d_inputs = carry
-    y, dx = x, g  # what an idle direction passes on
+    y, dx = carry.x, carry.g  # what an idle direction passes on
+    slots, grads, outs, d_inputs = carry.slots, carry.grads, carry.outs, carry.d_inputs
     if do_forward:
-      entering = jnp.where(row[F_FROM_INPUT] == 1, inputs[row[F_MICRO]], x)
+      entering = jnp.where(row[F_FROM_INPUT] == 1, inputs[row[F_MICRO]], carry.x)
       y, kept = forward(entering, w, consts, row[F_CHUNK] * C)
       slots = [
         jax.lax.dynamic_update_index_in_dim(s, a, row[F_SLOT], 0) for s, a in zip(slots, kept)
@@ -220,32 +232,33 @@ def run(
       outs = jax.lax.dynamic_update_index_in_dim(outs, y, row[F_OUT], 0)
     if do_backward:
       # An idle trip's gradient is zero, so its weight gradient adds nothing.
-      g = jnp.where(row[B_FROM_HEAD] == 1, dys[row[B_HEAD_ROW]], g) * row[B_VALID].astype(g.dtype)
+      g = jnp.where(row[B_FROM_HEAD] == 1, carry.dys[row[B_HEAD_ROW]], carry.g)
+      g = g * row[B_VALID].astype(g.dtype)
       kept = [s[row[B_SLOT]] for s in slots]
       first = row[B_CHUNK] * C
       dx, dw = backward(kept, w, consts, first, g)
       grads = jax.tree.map(lambda total, part: add_rows(total, part, first), grads, dw)
       d_inputs = jax.lax.dynamic_update_index_in_dim(d_inputs, dx, row[B_OUT], 0)
-    return y, dx, slots, grads, outs, dys, d_inputs
+    return _Carry(y, dx, slots, grads, outs, carry.dys, d_inputs)
 
   def loop(carry, rows, do_forward, do_backward):
     def trip(carry, row):  # row [P, 11]
-      y, dx, *rest = jax.vmap(
+      done = jax.vmap(
         functools.partial(rank_trip, do_forward=do_forward, do_backward=do_backward),
         in_axes=(0, 0, 0, 0),
         spmd_axis_name=MESH_AXIS,
       )(rank_weights, rank_constants, row, carry)
       # Forward outputs move one rank on, gradients one rank back.
-      return jax.tree.map(pin, (jnp.roll(y, 1, 0), jnp.roll(dx, -1, 0), *rest)), None
+      moved = done._replace(x=jnp.roll(done.x, 1, 0), g=jnp.roll(done.g, -1, 0))
+      return jax.tree.map(pin, moved), None
 
     return jax.lax.scan(trip, carry, rows)[0]
 
   def run_head(carry, loss, head_grads, group):
-    x, g, slots, grads, outs, _, d_inputs = carry
-    group_loss, dys, group_grads = head(outs[P - 1, :P], group)
+    group_loss, dys, group_grads = head(carry.outs[P - 1, :P], group)
     dys = pin(jnp.broadcast_to(dys, (P, *dys.shape)))  # rank P-1 reads them
     return (
-      (x, g, slots, grads, outs, dys, d_inputs),
+      carry._replace(dys=dys),
       loss + group_loss,
       jax.tree.map(jnp.add, head_grads, group_grads),
     )
@@ -262,14 +275,14 @@ def run(
       jnp.zeros((), jnp.int32),
     )
   slots = [pin(jnp.zeros((P, plan.slots + 1, *a.shape[1:]), a.dtype)) for a in kept_shapes]
-  carry = (
-    per_rank(sample),
-    per_rank(sample),
-    slots,
-    jax.tree.map(lambda a: pin(jnp.zeros_like(a)), rank_weights),
-    per_rank(jnp.zeros((P + 1, *sample.shape), sample.dtype)),
-    per_rank(jnp.zeros((P, *sample.shape), sample.dtype)),
-    per_rank(jnp.zeros((M + 1, *sample.shape), sample.dtype)),
+  carry = _Carry(
+    x=per_rank(sample),
+    g=per_rank(sample),
+    slots=slots,
+    grads=jax.tree.map(lambda a: pin(jnp.zeros_like(a)), rank_weights),
+    outs=per_rank(jnp.zeros((P + 1, *sample.shape), sample.dtype)),
+    dys=per_rank(jnp.zeros((P, *sample.shape), sample.dtype)),
+    d_inputs=per_rank(jnp.zeros((M + 1, *sample.shape), sample.dtype)),
   )
   rows = jnp.asarray(plan.table)
   D, G, steady = plan.delay, plan.groups, plan.group_trips
@@ -294,6 +307,5 @@ def run(
     carry, loss, head_grads = run_head(carry, loss, head_grads, G - 1)
     with jax.named_scope(DRAIN_SCOPE):
       carry = loop(carry, rows[D + (G - 1) * steady :], False, True)
-  grads, d_inputs = carry[3], carry[6]
   unstack = lambda x: x.reshape(P * V * C, *x.shape[2:])
-  return loss, jax.tree.map(unstack, grads), d_inputs[0, :M], head_grads
+  return loss, jax.tree.map(unstack, carry.grads), carry.d_inputs[0, :M], head_grads
