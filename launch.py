@@ -374,7 +374,8 @@ def _print_search(exp: experiments.ExperimentConfig, found: search.Result, wall_
   print(f"\n{exp.name}: {exp.model.name} on {found.gpus} {found.hardware}, global batch "
         f"{exp.train.global_batch} x {exp.model.seq_len} tokens; searched in {wall_s:.0f} s")
   print(f"{ranking.candidates:,} configurations, {pruned:,} pruned, "
-        f"{len(ranking.survivors):,} valid; {len(found.records)} projected in prior order ({found.compiles} new compiles)")
+        f"{len(ranking.survivors):,} valid; {len(found.records)} projected in prior order "
+        f"({found.compiles} new compiles)")
   for reason, count in ranking.pruned.items():
     print(f"  pruned {count:>6,}: {reason} (e.g. {ranking.examples[reason]})")
   best = found.best(_TOP.value)

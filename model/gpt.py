@@ -35,8 +35,10 @@ _REMAT = {
     # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # Saves what Megatron keeps with sequence parallelism (Korthikanti et al. 2022): the
-    # QKV, attention and fc1 outputs and the mid-block residual; LayerNorms, GELU, FP8
-    # casts and the sequence-parallel all-gathers of the LayerNorm outputs are redone.
+    # layer input, the QKV, attention and fc1 outputs and the mid-block residual;
+    # LayerNorms, GELU, FP8 casts and the sequence-parallel all-gathers of the LayerNorm
+    # outputs are redone. Without the layer input, a remat boundary around several layers
+    # (a pipeline chunk) would recompute fc2 to rebuild each layer's input.
     "elementwise": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
 }
 
@@ -152,6 +154,9 @@ def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array
   every trip; indexed row by row inside the layer scan, each trip's weight gradient would
   be a whole-stack buffer (zeroed, scattered into, and added to the accumulator every
   trip) instead of `count` rows added in place.
+
+  unroll: the layer scan unrolled (the 1f1b schedule, so that a trip's forward and
+  backward chunks are one loop body whose ops XLA can interleave).
   """
   policy = _REMAT[cfg.remat]
   step = jax.checkpoint(lambda carry, p: (block(cfg, carry, p), None), policy=policy,

@@ -109,11 +109,6 @@ class Schedule:
     return self.group_trips + self.stages - 1
 
 
-def trips(micro_batches: int, stages: int, virtual_stages: int) -> int:
-  """Trips of each kind (forward, backward) per rank, busy or idle."""
-  return micro_batches * virtual_stages + stages - 1
-
-
 @functools.lru_cache(maxsize=32)
 def schedule(micro_batches: int, stages: int, virtual_stages: int) -> Schedule:
   M, P, V = micro_batches, stages, virtual_stages

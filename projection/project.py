@@ -192,6 +192,10 @@ def pipeline_loops(program: hlo.Program) -> list[int]:
   return [i for i, n in enumerate(program.entry) if _is_pipeline_loop(n)]
 
 
+def _top_loops(program: hlo.Program, op_name: re.Pattern) -> list[hlo.Loop]:
+  return [n for n in program.entry if isinstance(n, hlo.Loop) and op_name.search(n.op_name)]
+
+
 def _is_pipeline_loop(node: hlo.Node) -> bool:
   return isinstance(node, hlo.Loop) and bool(_PIPELINE_OP.search(node.op_name))
 
@@ -269,8 +273,7 @@ def bubble_s(program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Col
   The 1f1b schedule's loops run a forward and a backward chunk a trip, and every rank
   idles stages - 1 trips of each kind: as many trips of its fill loop (forward only) and
   of its drain loop (backward only)."""
-  fill = [n for n in program.entry if isinstance(n, hlo.Loop) and _FILL_OP.search(n.op_name)]
-  drain = [n for n in program.entry if isinstance(n, hlo.Loop) and _DRAIN_OP.search(n.op_name)]
+  fill, drain = (_top_loops(program, op) for op in (_FILL_OP, _DRAIN_OP))
   if fill or drain:
     plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
     if [n.trip_count for n in fill + drain] != [plan.delay, plan.drain_trips]:

@@ -7,14 +7,15 @@ For one experiment on N GPUs of one generation:
    domain (8 on HGX, 72 on NVL72), pipeline and virtual stages over the divisors of the
    layer count (virtual stages and schedules only with a pipeline), micro-batches over the
    divisors of the global batch, every remat policy, and as schedule 1f1b or the lockstep
-   one (gpipe, interleaved) in each of PIPELINE_PASSES passes. Data parallelism
-   takes the rest of the GPUs; fsdp, the global batch and everything else stay as the
-   experiment has them.
+   one (gpipe, interleaved) in each of PIPELINE_PASSES passes. Data parallelism takes the
+   rest of the GPUs; fsdp, the global batch and everything else stay as the experiment
+   has them.
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
    candidate that survives would compile: `project.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
-   micro-batches per pass for interleaving, in groups of the stages for 1f1b), and `train_step.build` on an abstract mesh (heads,
-   MLP width and vocabulary over tensor, sequence parallelism). The reason recorded is
+   micro-batches per pass for interleaving, in groups of the stages for 1f1b), and
+   `train_step.build` on an abstract mesh (heads, MLP width and vocabulary over tensor,
+   sequence parallelism). The reason recorded is
    the field the first failing check names. A candidate whose parameters and optimizer
    state alone (exact, from their shardings) exceed the GPU's HBM is pruned too.
 3. Order the rest by a cheap analytic prior (`Prior`): first those estimated to fit,
@@ -115,10 +116,10 @@ class Prior:
   d_model, bf16; FP8 products are bf16 too) under save_dots, QKV, attention and fc1
   outputs, the layer input and the mid-block residual (20 x d_model) under elementwise,
   34 x d_model bytes without remat (Korthikanti et al. 2022, flash attention), split over
-  tensor parallelism with sequence parallelism. A pipelined step keeps every micro-batch's activations of its
-  stage in a pass (the lockstep schedule runs a pass's forward trips before its backward
-  ones); the 1f1b schedule, its forward chunks in flight (about P micro-batches' worth);
-  gradient accumulation keeps one micro-batch's.
+  tensor parallelism with sequence parallelism. A pipelined step keeps every micro-batch's
+  activations of its stage in a pass (the lockstep schedule runs a pass's forward trips
+  before its backward ones); the 1f1b schedule, its forward chunks in flight (about P
+  micro-batches' worth); gradient accumulation keeps one micro-batch's.
 
   Time: model FLOPs (x 4/3 under full remat) at the achievable matmul rate, stretched by
   the pipeline's idle trips; each micro-batch reading its GPU's weights from HBM (3

@@ -109,7 +109,9 @@ def test_pipelined_step_matches_one_device(
   assert ("data" in jax.tree.leaves(tuple(moment))) == split_optimizer
 
 
-@pytest.mark.parametrize("micro_batches, stages, virtual", [(4, 4, 1), (8, 2, 3), (64, 8, 6), (8, 8, 12)])
+@pytest.mark.parametrize(
+  "micro_batches, stages, virtual", [(4, 4, 1), (8, 2, 3), (64, 8, 6), (8, 8, 12)]
+)
 def test_one_f_one_b_schedule_keeps_its_order(micro_batches, stages, virtual):
   """Each chunk of each micro-batch forward on every rank in turn, its input arriving from
   the rank before on the trip before; backward in the reverse order, after its forward and
