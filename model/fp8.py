@@ -32,7 +32,7 @@ float32 ones.
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,32 +76,44 @@ def _fp8_einsum(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) 
   return (out.astype(jnp.float32) * scale).astype(dtype)
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, gather: Any = None) -> jax.Array:
   """jnp.einsum(spec, x, w) with FP8 operands; spec has two operands and each index of an
   operand appears in the other operand or the output (true of every weight matmul). w is
-  cast here unless it is a CastWeight already."""
+  cast here unless it is a CastWeight already.
+
+  gather: sequence parallelism's entry into a tensor-parallel region (parallelism/sequence.py
+  `Gather`), x being this rank's sequence shard. x is cast with the amax of every shard and
+  all-gathered as E4M3, half the bytes of bfloat16 (Transformer Engine's FP8 all-gather);
+  the input gradient is reduce-scattered back to the shard.
+  """
   if not isinstance(w, CastWeight):
     w = CastWeight(w, *_quantize(jax.lax.stop_gradient(w), E4M3))
-  return _cast_einsum(spec, x, w)
+  return _cast_einsum(spec, gather, x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cast_einsum(spec: str, x: jax.Array, w: CastWeight) -> jax.Array:
-  return _forward(spec, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cast_einsum(spec: str, gather: Any, x: jax.Array, w: CastWeight) -> jax.Array:
+  return _forward(spec, gather, x, w)[0]
 
 
-def _forward(spec, x, w):
-  xq, x_scale = _quantize(x, E4M3)
+def _forward(spec, gather, x, w):
+  if gather is None:
+    xq, x_scale = _quantize(x, E4M3)
+  else:
+    x_scale = _scale(gather.amax(jnp.max(jnp.abs(x))), E4M3)
+    xq = gather.gather(fp8_ops.quantize(x, E4M3, x_scale, jnp.float32))
   return _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype), (xq, x_scale, w.cast, w.scale)
 
 
-def _backward(spec, residuals, g):
+def _backward(spec, gather, residuals, g):
   xq, x_scale, wq, w_scale = residuals
   gq, g_scale = _quantize(g, E5M2)
   inputs, out = spec.split("->")
   x_axes, w_axes = inputs.split(",")
   dx = _fp8_einsum(f"{out},{w_axes}->{x_axes}", gq, wq, g_scale * w_scale, g.dtype)
   dw = _fp8_einsum(f"{x_axes},{out}->{w_axes}", xq, gq, x_scale * g_scale, g.dtype)
+  if gather is not None:
+    dx = gather.scatter(dx)
   # The cast and its scale are constants of the step: the gradient is the weight's.
   return dx, CastWeight(dw, None, None)
 

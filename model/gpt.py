@@ -119,7 +119,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
   def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
     if cfg.sequence_parallel:
-      return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes)
+      return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes, gather_in_fn=cfg.fp8)
     return constrain(matmul(spec, h, w), out_axes)
 
   x = checkpoint_name(constrain(x, residual), "layer_input")

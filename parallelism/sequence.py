@@ -15,7 +15,7 @@ backward pass gets the mirror image.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,14 @@ from parallelism import rules
 
 TENSOR = "tensor"
 SEQUENCE = "act_seq"
+
+
+class Gather(NamedTuple):
+  """An entry's collectives over `tensor`, for a matmul that runs them itself."""
+
+  amax: Callable[[jax.Array], jax.Array]  # a shard's amax -> the amax of every shard
+  gather: Callable[[jax.Array], jax.Array]  # a shard [b, T/t, ...] -> the whole [b, T, ...]
+  scatter: Callable[[jax.Array], jax.Array]  # its transpose: partial sums -> a shard's sum
 
 
 def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -41,10 +49,12 @@ def matmul(
   x_axes: Sequence[str | None],
   w_axes: Sequence[str | None],
   out_axes: Sequence[str | None],
+  gather_in_fn: bool = False,
 ) -> jax.Array:
   """fn(spec, x, w) at a tensor-parallel region's boundary, the sequence on axis 1.
 
-  Entry (x_axes[1] is `act_seq`): x is all-gathered along the sequence first. Exit
+  Entry (x_axes[1] is `act_seq`): x is all-gathered along the sequence first, or with
+  gather_in_fn by fn itself, given a `Gather` (model/fp8.py gathers its FP8 cast). Exit
   (out_axes[1] is `act_seq`): the partial sums are reduce-scattered along it. Outside a
   mesh: the plain fn.
   """
@@ -58,15 +68,22 @@ def matmul(
   device = mesh.abstract_device
   wire = jnp.float32 if device is not None and device.platform == "cpu" else None
 
+  def all_gather(x):
+    return jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True).astype(x.dtype)
+
+  def reduce_scatter(y):
+    return jax.lax.psum_scatter(
+      y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
+    ).astype(y.dtype)
+
   def local(x, w):
-    if x_axes[1] == SEQUENCE:
-      x = jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True).astype(x.dtype)
-    y = fn(spec, x, w)
-    if out_axes[1] == SEQUENCE:
-      y = jax.lax.psum_scatter(
-        y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
-      ).astype(y.dtype)
-    return y
+    if x_axes[1] == SEQUENCE and gather_in_fn:
+      y = fn(
+        spec, x, w, gather=Gather(lambda a: jax.lax.pmax(a, TENSOR), all_gather, reduce_scatter)
+      )
+    else:
+      y = fn(spec, all_gather(x) if x_axes[1] == SEQUENCE else x, w)
+    return reduce_scatter(y) if out_axes[1] == SEQUENCE else y
 
   x_spec, w_spec, out_spec = (_tensor_only(a) for a in (x_axes, w_axes, out_axes))
   # w may carry its FP8 cast and per-tensor scale (model/fp8.py CastWeight): the cast is

@@ -198,6 +198,21 @@ def test_cudnn_flash_attention_compiles_deviceless_and_counts_its_matmuls():
   )
 
 
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_sequence_parallel_fp8_entries_all_gather_e4m3_on_h100():
+  # Transformer Engine's FP8 all-gather: a tensor-parallel region's entry gathers the
+  # E4M3 cast, not bfloat16 (model/fp8.py `gather`); the exits reduce-scatter bfloat16.
+  model = ModelConfig(name="sp", num_layers=2, d_model=256, num_heads=4, head_dim=64,
+                      seq_len=256, vocab_size=512, compute_dtype="bfloat16",
+                      sequence_parallel=True, fp8=True)
+  train = TrainConfig(global_batch=8)
+  program = project.compile_step(model, train, (("data", 4), ("fsdp", 1), ("tensor", 2),
+                                                ("pipeline", 1)), "h100", 8).program
+  kinds = {(c.kind, c.dtype) for c, _ in hlo.collectives(program) if c.group_size == 2}
+  assert ("all-gather", "f8e4m3fn") in kinds and ("reduce-scatter", "bf16") in kinds, kinds
+  assert ("all-gather", "bf16") in kinds  # the exits' transposes: gradients stay bfloat16
+
+
 # ----------------------------------------------------------------------------- pipeline bubble
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
 def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():

@@ -15,7 +15,8 @@ from flax import nnx
 from errors import UserInputError
 from model.config import ModelConfig
 from model.gpt import GPT
-from parallelism import one_f_one_b, pipeline
+from model import fp8
+from parallelism import one_f_one_b, pipeline, sequence
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from train import data
 from train import step as train_step
@@ -200,6 +201,31 @@ def test_fp8_matches_bf16_within_quantisation_error():
     g8, g16 = (np.asarray(g["layers"][name][...], np.float32) for g in (grads_8, grads_16))
     error = np.linalg.norm(g8 - g16) / np.linalg.norm(g16)
     assert error < 0.15, (name, error)
+
+
+def test_fp8_entry_all_gathers_the_cast_and_computes_what_gathering_first_does():
+  # model/fp8.py casts a sequence shard with the amax of every shard and all-gathers the
+  # E4M3 cast (half the bytes of bfloat16); the same scale and casts as casting after a
+  # bfloat16 all-gather, so the same product and gradients. (On CPU meshes the collectives
+  # carry float32; tests/test_mlperf.py checks the E4M3 all-gather on an H100 target.)
+  mesh = build_mesh(plan(MeshConfig(data=4, tensor=2), 8), jax.devices()[:8])
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (4, 16, 32), jnp.float32) * jnp.arange(1, 17)[:, None]
+  w = jax.random.normal(keys[1], (32, 64), jnp.float32)
+  g = jax.random.normal(keys[2], (4, 16, 64), jnp.float32)
+
+  def product(gather_in_fn):
+    def f(x, w):
+      return sequence.matmul(fp8.einsum, "btd,df->btf", x, w, ("batch", "act_seq", "act_embed"),
+                             ("embed", "mlp"), ("batch", "length", "act_mlp"), gather_in_fn)
+    with jax.set_mesh(mesh):
+      y, vjp = jax.vjp(jax.jit(f), x, w)
+      return y, *vjp(g)
+
+  gathered, reference = product(True), product(False)
+  for a, b in zip(gathered, reference, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert np.abs(np.asarray(gathered[1])).max() > 0
 
 
 @pytest.mark.parametrize(
