@@ -32,11 +32,13 @@ float32 ones.
 """
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
+
+from parallelism.sequence import Gather
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -76,7 +78,9 @@ def _fp8_einsum(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) 
   return (out.astype(jnp.float32) * scale).astype(dtype)
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, gather: Any = None) -> jax.Array:
+def einsum(
+  spec: str, x: jax.Array, w: jax.Array | CastWeight, gather: Gather | None = None
+) -> jax.Array:
   """jnp.einsum(spec, x, w) with FP8 operands; spec has two operands and each index of an
   operand appears in the other operand or the output (true of every weight matmul). w is
   cast here unless it is a CastWeight already.
@@ -92,7 +96,7 @@ def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, gather: Any = Non
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cast_einsum(spec: str, gather: Any, x: jax.Array, w: CastWeight) -> jax.Array:
+def _cast_einsum(spec: str, gather: Gather | None, x: jax.Array, w: CastWeight) -> jax.Array:
   return _forward(spec, gather, x, w)[0]
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import experiments
 from errors import UserInputError
@@ -18,8 +18,10 @@ from experiments import mlperf_gpt3_175b as mlperf
 from experiments import overrides
 from hardware import catalog
 from model.config import ModelConfig
+from model import fp8
 from model.gpt import attention
-from parallelism.mesh import MeshConfig
+from parallelism import sequence
+from parallelism.mesh import AXES, MeshConfig
 from projection import cost_model, hlo, layout, project, targets
 from train.config import TrainConfig
 
@@ -201,16 +203,25 @@ def test_cudnn_flash_attention_compiles_deviceless_and_counts_its_matmuls():
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
 def test_sequence_parallel_fp8_entries_all_gather_e4m3_on_h100():
   # Transformer Engine's FP8 all-gather: a tensor-parallel region's entry gathers the
-  # E4M3 cast, not bfloat16 (model/fp8.py `gather`); the exits reduce-scatter bfloat16.
-  model = ModelConfig(name="sp", num_layers=2, d_model=256, num_heads=4, head_dim=64,
-                      seq_len=256, vocab_size=512, compute_dtype="bfloat16",
-                      sequence_parallel=True, fp8=True)
-  train = TrainConfig(global_batch=8)
-  program = project.compile_step(model, train, (("data", 4), ("fsdp", 1), ("tensor", 2),
-                                                ("pipeline", 1)), "h100", 8).program
-  kinds = {(c.kind, c.dtype) for c, _ in hlo.collectives(program) if c.group_size == 2}
+  # E4M3 cast, not bfloat16 (model/fp8.py `gather`); the input gradient is reduce-scattered
+  # in bfloat16.
+  mesh = Mesh(np.array(targets.target_devices("h100", 1, 2)).reshape(1, 1, 2, 1), AXES,
+              axis_types=(AxisType.Auto,) * len(AXES))
+  x = jax.ShapeDtypeStruct((2, 256, 512), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
+  w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
+
+  def loss(x, w):
+    y = sequence.matmul(fp8.einsum, "btd,df->btf", x, w, ("batch", "act_seq", "act_embed"),
+                        ("embed", "mlp"), ("batch", "length", "act_mlp"), gather_in_fn=True)
+    return y.astype(jnp.float32).sum()
+
+  with jax.set_mesh(mesh):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+  kinds = {(c.kind, c.dtype) for c, _ in hlo.collectives(hlo.analyze(text))}
   assert ("all-gather", "f8e4m3fn") in kinds and ("reduce-scatter", "bf16") in kinds, kinds
-  assert ("all-gather", "bf16") in kinds  # the exits' transposes: gradients stay bfloat16
+  assert ("all-gather", "bf16") not in kinds, kinds
 
 
 # ----------------------------------------------------------------------------- pipeline bubble
