@@ -11,7 +11,8 @@ The sharding constraints alone leave each exit an all-reduce and a slice in XLA'
 pipeline (the GPU pipeline has a pass that fuses the two), so the collectives are
 written out here with all_gather / psum_scatter inside a shard_map that is manual over
 `tensor` and automatic over the other axes. Each is the other's transpose, so the
-backward pass gets the mirror image.
+backward pass gets the mirror image. An FP8 matmul runs its entry's all-gather itself,
+on its E4M3 cast (`Gather`, model/fp8.py): half the bytes of gathering bfloat16.
 """
 
 from collections.abc import Callable, Sequence
