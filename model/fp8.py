@@ -50,9 +50,11 @@ def _scale(amax: jax.Array, dtype) -> jax.Array:
   return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
 
 
-def _quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-  """x as `dtype` and the float32 scale that restores it (x ~= q * scale)."""
-  scale = _scale(jnp.max(jnp.abs(x)), dtype)
+def _quantize(x: jax.Array, dtype, gather: Gather | None = None) -> tuple[jax.Array, jax.Array]:
+  """x as `dtype` and the float32 scale that restores it (x ~= q * scale); with a gather,
+  x is a shard, scaled by the amax of every shard."""
+  amax = jnp.max(jnp.abs(x))
+  scale = _scale(gather.amax(amax) if gather else amax, dtype)
   return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
 
 
@@ -101,11 +103,9 @@ def _cast_einsum(spec: str, gather: Gather | None, x: jax.Array, w: CastWeight) 
 
 
 def _forward(spec, gather, x, w):
-  if gather is None:
-    xq, x_scale = _quantize(x, E4M3)
-  else:
-    x_scale = _scale(gather.amax(jnp.max(jnp.abs(x))), E4M3)
-    xq = gather.gather(fp8_ops.quantize(x, E4M3, x_scale, jnp.float32))
+  xq, x_scale = _quantize(x, E4M3, gather)
+  if gather is not None:
+    xq = gather.gather(xq)
   return _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype), (xq, x_scale, w.cast, w.scale)
 
 
