@@ -167,13 +167,14 @@ def run(
   make up one chunk) on one micro-batch x [b, ...]. weights: the stacked layer parameters to
   differentiate, [L, ...] in stage order, sharded over `pipeline`; constants: stacked
   arrays the chunks read but are not differentiated for (FP8 weight casts). inputs
-  [M, b, ...]: the embedded micro-batches. head(ys, g): on group g's last-layer outputs
-  ys [P, b, ...], its loss, the loss's gradient for ys and any gradients of its own.
+  [P, M, b, ...]: the embedded micro-batches, each rank's own copy (rank 0 reads them).
+  head(ys, g): on group g's last-layer outputs ys [P, b, ...], its loss, the loss's
+  gradient for ys and any gradients of its own.
 
-  Returns (summed head losses, gradients of weights [L, ...], of inputs [M, b, ...],
-  summed head gradients).
+  Returns (summed head losses, gradients of weights [L, ...], of inputs [P, M, b, ...]
+  (zero but on rank 0), summed head gradients).
   """
-  P, V, M = stages, virtual_stages, inputs.shape[0]
+  P, V, M = stages, virtual_stages, inputs.shape[1]
   plan = schedule(M, P, V)
   C = jax.tree.leaves(weights)[0].shape[0] // (P * V)
   # [L, ...] -> [P, V C, ...]: splits the sharded axis along its blocks, no data moves.
@@ -215,7 +216,7 @@ def run(
     # scatter into a temporary and a copy under the stage vmap (512 H100: 0.3 s a step).
     return total + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(total), part, first, 0)
 
-  def rank_trip(w, consts, row, carry, do_forward, do_backward):
+  def rank_trip(w, consts, inputs, row, carry, do_forward, do_backward):
     y, dx = carry.x, carry.g  # what an idle direction passes on
     slots, grads, outs, d_inputs = carry.slots, carry.grads, carry.outs, carry.d_inputs
     if do_forward:
@@ -240,9 +241,8 @@ def run(
     def trip(carry, row):  # row [P, 11]
       done = jax.vmap(
         functools.partial(rank_trip, do_forward=do_forward, do_backward=do_backward),
-        in_axes=(0, 0, 0, 0),
         spmd_axis_name=MESH_AXIS,
-      )(rank_weights, rank_constants, row, carry)
+      )(rank_weights, rank_constants, inputs, row, carry)
       # Forward outputs move one rank on, gradients one rank back.
       moved = done._replace(x=jnp.roll(done.x, 1, 0), g=jnp.roll(done.g, -1, 0))
       return jax.tree.map(pin, moved), None
@@ -259,7 +259,7 @@ def run(
     )
 
   per_rank = lambda a: pin(jnp.zeros((P, *a.shape), a.dtype))
-  sample = inputs[0]
+  sample = inputs[0, 0]
   with rules.vmapped(MESH_AXIS):
     # The forward traced once for the residuals' shapes (and the vjp's structure).
     kept_shapes = jax.eval_shape(
@@ -303,4 +303,4 @@ def run(
     with jax.named_scope(DRAIN_SCOPE):
       carry = loop(carry, rows[D + (G - 1) * steady :], False, True)
   unstack = lambda x: x.reshape(P * V * C, *x.shape[2:])
-  return loss, jax.tree.map(unstack, carry.grads), carry.d_inputs[0, :M], head_grads
+  return loss, jax.tree.map(unstack, carry.grads), carry.d_inputs[:, :M], head_grads
