@@ -55,7 +55,9 @@ def has_nvidia_gpu() -> bool:
 
 
 @contextlib.contextmanager
-def _captured_stderr():
+def captured_stderr():
+  """Swallow what is written to file descriptor 2 (C++ logs included) unless the block
+  raises, when it is replayed."""
   sys.stderr.flush()
   saved = os.dup(2)
   with tempfile.TemporaryFile() as sink:
@@ -151,7 +153,7 @@ def configure(
         f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
       )
     keep_freed_memory()
-  quiet = _captured_stderr() if not gpu else contextlib.nullcontext()
+  quiet = captured_stderr() if not gpu else contextlib.nullcontext()
   with quiet:
     import jax  # pylint: disable=import-outside-toplevel
 

@@ -78,10 +78,7 @@ def analyse(exp, hw_name: str, gpus: int) -> dict:
   unlimited = dataclasses.replace(hw, hbm_gib=1e9)
   reduced = project.plan(exp, hw, gpus)
   if_fit = project.project_on(exp, unlimited, reduced)
-  train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
-  step = project.compile_step(
-    exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node
-  )
+  step, _ = project.compiled_program(exp, hw, reduced, project.collective_timer(reduced, hw))
   virtual = exp.train.virtual_stages if reduced.sizes.get("pipeline", 1) > 1 else 1
   program = project.with_micro_batches(
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual

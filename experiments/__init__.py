@@ -26,6 +26,10 @@ class ExperimentConfig:
   # A time-to-train benchmark (experiments/_time_to_train.py): projections then also
   # report time_to_train_min.
   benchmark: Any = None
+  # Projections compile the step a second time with a latency profile of its own program
+  # on the target, as a tuned GPU run does (projection/project.py latency_profile): one
+  # more compile per GPU count, and XLA overlaps collectives by their projected durations.
+  latency_profile: bool = False
 
 
 def names() -> list[str]:

@@ -80,6 +80,9 @@ class Compute:
   # Its metadata op_name: the jax.named_scope / primitive path it came from, which says
   # what program code a costly op belongs to (diagnostics only; the cost model ignores it).
   op_name: str = ""
+  # Its name when XLA scheduled it (metadata scheduling_name; later passes may rename it):
+  # the name a latency profile for XLA's scheduler gives its cost under.
+  scheduling_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Collective:
   # Arrays it moves: XLA combines small collectives into one with many operands, which
   # NCCL runs as one grouped call but XLA:CPU as one rendezvous per operand.
   operands: int = 1
+  scheduling_name: str = ""  # as Compute's
 
   @property
   def group_size(self) -> int:
@@ -496,7 +500,7 @@ class _Analyzer:
         read, written = self.instr_bytes(ins, comp)
         nodes.append(Compute(ins.name, op, flops, dflops, read, written, _dtype(ins.shape),
                              _kind(ins), self.dot_dtype(ins, comp) if dflops else "",
-                             _op_name(ins)))
+                             _op_name(ins), _scheduling_name(ins)))
     return nodes
 
   def _collective(self, ins: _Instr, comp: _Comp) -> Collective | None:
@@ -506,7 +510,8 @@ class _Analyzer:
       found = [i for i in inner.instrs if i.opcode in _COLLECTIVES]
       if not found:
         return None
-      return replace(self._collective(found[0], inner), name=ins.name, is_async=True)
+      return replace(self._collective(found[0], inner), name=ins.name, is_async=True,
+                     scheduling_name=_scheduling_name(ins))
     if op.endswith("-start") and op[:-6] in _COLLECTIVES:
       op, is_async = op[:-6], True
     if op not in _COLLECTIVES:
@@ -524,7 +529,7 @@ class _Analyzer:
     dtype = _dtype(first.shape if first else ins.shape)
     sync = '"is_sync":true' in ins.attrs.get("backend_config", "")
     return Collective(ins.name, op, size, dtype, groups, pairs, is_async, xla_sync=sync,
-                      operands=max(1, len(ins.operands)))
+                      operands=max(1, len(ins.operands)), scheduling_name=_scheduling_name(ins))
 
   def _loop(self, ins: _Instr, comp: _Comp) -> Loop:
     body = self.comp_nodes(ins.attrs["body"].lstrip("%"))
@@ -574,6 +579,11 @@ class _Analyzer:
 def _op_name(ins: _Instr) -> str:
   m = re.search(r'op_name="([^"]*)"', ins.attrs.get("metadata", ""))
   return m.group(1) if m else ""
+
+
+def _scheduling_name(ins: _Instr) -> str:
+  m = re.search(r'scheduling_name="([^"]*)"', ins.attrs.get("metadata", ""))
+  return m.group(1) if m else ins.name
 
 
 def _kind(ins: _Instr) -> str:

@@ -7,8 +7,10 @@ tests share three H100 compiles (compile_step's cache) and GPT-3 175B is compile
 those tests are skipped where jax-cuda12-plugin cannot compile deviceless.
 """
 
+import contextlib
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -122,6 +124,34 @@ def test_gpt3_175b_matmul_flops_match_the_analytical_count():
   expected = matmul_flops_per_step(exp.model, exp.train.global_batch)
   assert _rel(record["hlo_matmul_flops_per_step"], expected) < 0.02
   assert record["fits"] and 40 < record["memory_per_gpu_gb"] < record["hbm_capacity_gb"]
+
+
+@deviceless
+def test_latency_profile_names_the_instructions_xla_schedules(capfd, monkeypatch):
+  # XLA logs how many of the instructions it schedules it found in the profile and lists
+  # the rest; the projection's profile must name them as XLA scheduled them (a
+  # while-loop condition, which XLA does not schedule, may be missing).
+  monkeypatch.setattr(project.platform_env, "captured_stderr", contextlib.nullcontext)
+  exp = dataclasses.replace(SMALL, latency_profile=True)
+  reduced = project.plan(exp, H100, 256)
+  timer = project.collective_timer(reduced, H100)
+  untuned, _ = project.compiled_program(dataclasses.replace(exp, latency_profile=False), H100,
+                                        reduced, timer)
+  capfd.readouterr()
+  before = project.compile_step.cache_info().misses
+  tuned, compile_s = project.compiled_program(exp, H100, reduced, timer)
+  log = capfd.readouterr().err
+  assert project.compile_step.cache_info().misses == before + 1
+  assert compile_s == pytest.approx(untuned.compile_s + tuned.compile_s)
+  found = int(re.search(r"Found (\d+) instructions from the profile", log).group(1))
+  missing = re.search(r"Missing (\d+) instructions from the profile", log)
+  profile = project.latency_profile(untuned.program, H100, timer)
+  assert found >= 0.9 * len(profile)
+  assert missing is None or int(missing.group(1)) <= 0.05 * found
+  # The profile's collectives cost what the projection costs them.
+  costs = dict(profile)
+  for node, _ in hlo.collectives(untuned.program):
+    assert costs[node.scheduling_name] == pytest.approx(timer(node) * 1e6)
 
 
 def test_save_dots_matmul_flops_and_the_named_loop_on_cpu():
