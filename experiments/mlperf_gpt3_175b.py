@@ -128,10 +128,10 @@ def _published(
 # (3.92 and 49.80 min over 220 + 22 and 288 + 24 step-equivalents of training and
 # evaluation); the projection's FLOP-bound work at the catalog's measured FP8 rate is
 # 0.43 and 6.5 s of it, as the model's FLOPs say it should be. The rest of the projected
-# step (1.29 and 11.9 s: +32% and +25% time to train, 42 and 68 GB) is work the published
+# step (1.195 and 11.3 s: +22% and +17% time to train, 42 and 68 GB) is work the published
 # runs fuse or hide: weight gradients added into the stage's stack every trip, FP8 casts
 # in passes of their own, weight slices copied every trip, and collectives the loops leave
-# exposed. Neither residual is a hardware figure, so fitting an HBM or matmul efficiency
+# exposed (the data-parallel reduction after the drain, most of it at 10,752). Neither residual is a hardware figure, so fitting an HBM or matmul efficiency
 # would only absorb the program's overheads into the figures every projection uses.
 PUBLISHED = {
   "eos_10752": (10752, _published("eos_10752", 10752, 4, 8, 12, 1, 2688, "v3.1, 3.92 min")),

@@ -12,7 +12,9 @@
 
 Compiles are cached by everything they depend on. The compiled program's data axis and
 micro-batch count do not depend on the GPU count, so every GPU count of one experiment
-(with fixed fsdp and tensor sizes) on one GPU generation shares one compile.
+(with fixed fsdp and tensor sizes) on one GPU generation shares one compile. An
+experiment with `latency_profile` is compiled once more per GPU count, with the latency
+profile of the first compile's program on the target (`latency_profile`).
 """
 
 import atexit
@@ -158,16 +160,15 @@ def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_na
   program = train_step.build(model_cfg, train_cfg, mesh)
   if target == "cuda":
     options.update(_scheduler_memory(hw_name, sharding.bytes_per_device(program.abstract_state)))
-  with cudnn, _profile_file(profile if target == "cuda" else ()) as path:
-    lowered = program.lower(train_cfg.global_batch, model_cfg.seq_len)
+  # A GPU compile logs from C++ what only XLA's developers need (how many instructions a
+  # latency profile matched; rematerialization that cannot bring a step under the
+  # device's memory, which the projection reports itself): shown only if it fails.
+  quiet = platform_env.captured_stderr() if target == "cuda" else contextlib.nullcontext()
+  with cudnn, _profile_file(profile if target == "cuda" else ()) as path, quiet:
     if path:
       options["xla_gpu_pgle_profile_file_or_directory_path"] = path
-      # XLA logs how many instructions the profile matched, and lists those it misses
-      # (while-loop conditions, which it does not schedule).
-      with platform_env.captured_stderr():
-        compiled = lowered.compile(compiler_options=options)
-    else:
-      compiled = lowered.compile(compiler_options=options)
+    lowered = program.lower(train_cfg.global_batch, model_cfg.seq_len)
+    compiled = lowered.compile(compiler_options=options)
   memory = compiled.memory_analysis()
   per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                 - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
