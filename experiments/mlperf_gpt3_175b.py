@@ -131,8 +131,9 @@ def _published(
 # step (1.195 and 11.3 s: +22% and +17% time to train, 42 and 68 GB) is work the published
 # runs fuse or hide: weight gradients added into the stage's stack every trip, FP8 casts
 # in passes of their own, weight slices copied every trip, and collectives the loops leave
-# exposed (the data-parallel reduction after the drain, most of it at 10,752). Neither residual is a hardware figure, so fitting an HBM or matmul efficiency
-# would only absorb the program's overheads into the figures every projection uses.
+# exposed (the data-parallel reduction after the drain, most of it at 10,752). Neither
+# residual is a hardware figure, so fitting an HBM or matmul efficiency would only absorb
+# the program's overheads into the figures every projection uses.
 PUBLISHED = {
   "eos_10752": (10752, _published("eos_10752", 10752, 4, 8, 12, 1, 2688, "v3.1, 3.92 min")),
   "eos_512": (512, _published("eos_512", 512, 4, 8, 6, 2, 2048, "v4.1, 49.80 min")),
