@@ -418,6 +418,8 @@ def compiled_program(exp, hw: Hardware, reduced: layout.ReducedMesh,
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
   step = compile_step(*args)
+  if exp.latency_profile and step.compile_target != "cuda":
+    step = dataclasses.replace(step, note=f"{step.note}; no latency profile (a CUDA target's)")
   if not (exp.latency_profile and step.compile_target == "cuda"):
     return step, step.compile_s
   tuned = compile_step(*args, latency_profile(step.program, hw, collective_s))
