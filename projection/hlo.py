@@ -80,8 +80,8 @@ class Compute:
   # Its metadata op_name: the jax.named_scope / primitive path it came from, which says
   # what program code a costly op belongs to (diagnostics only; the cost model ignores it).
   op_name: str = ""
-  # Its name when XLA scheduled it (metadata scheduling_name; later passes may rename it):
-  # the name a latency profile for XLA's scheduler gives its cost under.
+  # Its name when XLA scheduled it (metadata scheduling_name, else its name; later passes
+  # may rename it): the name a latency profile for XLA's scheduler gives its cost under.
   scheduling_name: str = ""
 
 

@@ -194,9 +194,9 @@ def latency_profile(program: hlo.Program, hw: Hardware,
   costs = {}
   for node, _ in hlo.walk(program):
     if isinstance(node, hlo.Compute):
-      costs[node.scheduling_name or node.name] = cost_model.op_time_s(node, hw) * 1e6
+      costs[node.scheduling_name] = cost_model.op_time_s(node, hw) * 1e6
     elif isinstance(node, hlo.Collective):
-      costs[node.scheduling_name or node.name] = collective_s(node) * 1e6
+      costs[node.scheduling_name] = collective_s(node) * 1e6
   return tuple(sorted(costs.items()))
 
 
@@ -418,10 +418,11 @@ def compiled_program(exp, hw: Hardware, reduced: layout.ReducedMesh,
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
   step = compile_step(*args)
-  if exp.latency_profile and step.compile_target != "cuda":
-    step = dataclasses.replace(step, note=f"{step.note}; no latency profile (a CUDA target's)")
-  if not (exp.latency_profile and step.compile_target == "cuda"):
+  if not exp.latency_profile:
     return step, step.compile_s
+  if step.compile_target != "cuda":
+    note = f"{step.note}; no latency profile (a CUDA target's)"
+    return dataclasses.replace(step, note=note), step.compile_s
   tuned = compile_step(*args, latency_profile(step.program, hw, collective_s))
   return tuned, step.compile_s + tuned.compile_s
 
