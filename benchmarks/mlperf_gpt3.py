@@ -149,7 +149,7 @@ def calibration(sets: list[str]) -> None:
   for name, gpus, published in CALIBRATION:
     result = analyse(overrides.apply(experiments.variant(exp, name), sets), "h100", gpus)
     row = _row(f"{name} ({gpus})", result)
-    rows.append((*row, published, f"{row[-1] / published - 1:+.0%}", f"{result['seconds']:.0f}"))
+    rows.append((*row, published, f"{row[-1] / published - 1:+.1%}", f"{result['seconds']:.0f}"))
     results.append((name, result))
   print(f"\nCalibration: H100 in the published configurations {' '.join(sets)} (times 'if it fit')")
   print(table.columns((*HEADERS, "published min", "error", "run s"), rows))

@@ -40,12 +40,19 @@ class ModelConfig:
   # (LayerNorm, biases, residual adds) is sharded along the sequence (rules.py `act_seq`).
   sequence_parallel: bool = False
   # FP8 weight matmuls (QKV, attention output, MLP): E4M3 operands forward, E5M2
-  # gradients backward, per-tensor current scaling (model/fp8.py).
+  # gradients backward, scaled per tensor (model/fp8.py).
   fp8: bool = False
+  # With fp8: 0 scales activations and gradients by their own amax (current scaling);
+  # N > 0 by the largest amax of the last N steps (delayed scaling, model/fp8.py).
+  fp8_amax_history: int = 0
 
   @property
   def d_ff(self) -> int:
     return 4 * self.d_model
+
+  @property
+  def delayed_scaling(self) -> bool:
+    return self.fp8 and self.fp8_amax_history > 0
 
   @property
   def padded_vocab(self) -> int:
@@ -57,6 +64,9 @@ class ModelConfig:
                   "vocab_size", "vocab_multiple"):
       if getattr(self, field) < 1:
         raise UserInputError(f"model.{field} must be a positive integer, got {getattr(self, field)}")
+    if self.fp8_amax_history < 0:
+      raise UserInputError("model.fp8_amax_history must be 0 (current scaling) or a positive "
+                           f"number of steps, got {self.fp8_amax_history}")
     if self.remat not in REMAT_POLICIES:
       raise UserInputError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     if self.attention not in ATTENTION:

@@ -10,13 +10,20 @@ operands in all three matmuls of every weight, as an FP8 GEMM runs them on Hoppe
 Blackwell (the E4M3 / E5M2 "hybrid" recipe of Micikevicius et al. 2022,
 arXiv:2209.05433).
 
-Scaling is *current* (the amax of the tensor being cast, computed in the same step), not
-Flax's delayed scaling (`flax.linen.fp8_ops`: an amax history carried between steps as
-mutable per-matmul state whose "gradient" is its next value). That state would have to be
-stacked per layer, threaded through the layer scan and the pipeline loop, and kept out
-of AdamW; current scaling needs no state at the cost of one max-reduction per operand
-(a scalar all-reduce when the operand is sharded). The casts themselves are Flax's
-(`fp8_ops.quantize`), so saturation and rounding match Flax's FP8 path.
+Scaling of activations and gradients is *current* by default (model.fp8_amax_history 0):
+the amax of the tensor being cast, computed in the same step, one max-reduction pass
+over the tensor before its cast (a scalar all-reduce when the operand is sharded).
+With model.fp8_amax_history N > 0 it is *delayed*, Transformer Engine's recipe in the
+published MLPerf runs (`DelayedScaling`: amax_history_len 1024, amax_compute_algo "max"
+by default, TE 1.x-2.x API docs): each cast uses a scale from the largest amax of the last
+N steps, so it needs no pass of its own and fuses into the op that produces the tensor;
+the tensor's amax is still taken (a reduction XLA can fuse alongside) and recorded for
+the steps to come. A `CastWeight` then carries the two scales (`x_scale`, `g_scale`),
+and the backward pass returns the observed amaxes as their cotangents: every code path
+that differentiates the layers brings them out as it brings out weight gradients, and
+combines the micro-batches' and replicas' amaxes with max (train/step.py,
+parallelism/one_f_one_b.py). The first step's history is empty and casts at scale 1, as
+Transformer Engine's does.
 
 Weights are cast once a step (`cast_weights`, on the whole layer stack, one scale per
 layer), not in every matmul: the layer scan and the pipeline loop then read one byte per
@@ -36,9 +43,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.linen import fp8_ops
 
-from parallelism.sequence import Gather
+from parallelism.sequence import Tensor
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -50,29 +58,69 @@ def _scale(amax: jax.Array, dtype) -> jax.Array:
   return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
 
 
-def _quantize(x: jax.Array, dtype, gather: Gather | None = None) -> tuple[jax.Array, jax.Array]:
-  """x as `dtype` and the float32 scale that restores it (x ~= q * scale); with a gather,
-  x is a shard, scaled by the amax of every shard."""
+def _quantize(x: jax.Array, dtype, tensor: Tensor | None = None) -> tuple[jax.Array, jax.Array]:
+  """x as `dtype` and the float32 scale that restores it (x ~= q * scale); with a
+  tensor-parallel group, x is a shard, scaled by the amax of every shard."""
   amax = jnp.max(jnp.abs(x))
-  scale = _scale(gather.amax(amax) if gather else amax, dtype)
+  scale = _scale(tensor.amax(amax) if tensor else amax, dtype)
   return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
 
 
+def _observed(x: jax.Array, tensor: Tensor | None) -> jax.Array:
+  """The amax of x to record (delayed scaling), as the cotangent of its scale. In a
+  tensor-parallel group x may be a shard and the scale is shared by every rank, whose
+  cotangents the group sums: the amax of every shard, reported by one rank."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return tensor.report(tensor.amax(amax)) if tensor else amax
+
+
 class CastWeight(NamedTuple):
-  """A weight [..., ] with its E4M3 cast and the cast's float32 scale (w ~= cast * scale)."""
+  """A weight [..., ] with its E4M3 cast and the cast's float32 scale (w ~= cast * scale);
+  under delayed scaling also the scales its matmul casts the input (E4M3) and the output
+  gradient (E5M2) with, whose cotangents are the amaxes observed."""
 
   weight: jax.Array
   cast: jax.Array
   scale: jax.Array
+  x_scale: jax.Array | None = None
+  g_scale: jax.Array | None = None
 
 
-def cast_weights(stack: jax.Array) -> CastWeight:
-  """A layer-stacked weight [L, ...] with its E4M3 cast, scaled per layer (scale [L])."""
+# Amax history layout: [L, 2, N] per kernel, row 0 the matmul input's, row 1 its output
+# gradient's, newest first (Transformer Engine rolls its history the same way).
+_INPUT, _GRADIENT = 0, 1
+
+
+class AmaxHistory(nnx.Variable):
+  """A kernel's amax history [L, 2, N] (delayed scaling); part of the train state, not a
+  parameter: the step overwrites it rather than the optimizer updating it."""
+
+
+def new_history(layers: int, length: int, stack_axis: str) -> AmaxHistory:
+  return AmaxHistory(jnp.zeros((layers, 2, length), jnp.float32), axes=(stack_axis, None, None))
+
+
+def delayed_scales(history: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A kernel's history [L, 2, N] -> the input's and the gradient's scales [L] for this step."""
+  amax = jnp.max(history, axis=-1)
+  return _scale(amax[:, _INPUT], E4M3), _scale(amax[:, _GRADIENT], E5M2)
+
+
+def record(history: jax.Array, amaxes: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """The history [L, 2, N] with this step's (input, gradient) amaxes [L] pushed in front."""
+  newest = jnp.stack(amaxes, axis=1)[..., None]  # [L, 2, 1]
+  return jnp.concatenate([newest, history[..., :-1]], axis=-1)
+
+
+def cast_weights(stack: jax.Array, scales: tuple[jax.Array, jax.Array] | None = None) -> CastWeight:
+  """A layer-stacked weight [L, ...] with its E4M3 cast, scaled per layer (scale [L]); with
+  scales (delayed scaling, each [L]), those of its matmuls' inputs and output gradients."""
   constant = jax.lax.stop_gradient(stack)
   layer_axes = tuple(range(1, stack.ndim))
   scale = _scale(jnp.max(jnp.abs(constant), axis=layer_axes), E4M3)  # [L]
   per_layer = scale.reshape(-1, *(1,) * len(layer_axes))
-  return CastWeight(stack, fp8_ops.quantize(constant, E4M3, per_layer, jnp.float32), scale)
+  cast = fp8_ops.quantize(constant, E4M3, per_layer, jnp.float32)
+  return CastWeight(stack, cast, scale, *(scales or (None, None)))
 
 
 def _fp8_einsum(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -81,59 +129,77 @@ def _fp8_einsum(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) 
 
 
 def einsum(
-  spec: str, x: jax.Array, w: jax.Array | CastWeight, gather: Gather | None = None
+  spec: str, x: jax.Array, w: jax.Array | CastWeight, tensor: Tensor | None = None
 ) -> jax.Array:
   """jnp.einsum(spec, x, w) with FP8 operands; spec has two operands and each index of an
   operand appears in the other operand or the output (true of every weight matmul). w is
-  cast here unless it is a CastWeight already.
+  cast here unless it is a CastWeight already; a CastWeight with x_scale and g_scale
+  scales by them (delayed scaling).
 
-  gather: sequence parallelism's entry into a tensor-parallel region (parallelism/sequence.py
-  `Gather`), x being this rank's sequence shard. x is cast with the amax of every shard and
-  all-gathered as E4M3, half the bytes of bfloat16 (Transformer Engine's FP8 all-gather);
-  the input gradient is reduce-scattered back to the shard.
+  tensor: the tensor-parallel group the matmul runs in, inside sequence parallelism's
+  shard_map (parallelism/sequence.py `Tensor`). At a region's entry x is this rank's
+  sequence shard: it is cast with one scale for every shard and all-gathered as E4M3,
+  half the bytes of bfloat16 (Transformer Engine's FP8 all-gather), and the input
+  gradient is reduce-scattered back to the shard.
   """
   if not isinstance(w, CastWeight):
     w = CastWeight(w, *_quantize(jax.lax.stop_gradient(w), E4M3))
-  return _cast_einsum(spec, gather, x, w)
+  return _cast_einsum(spec, tensor, x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cast_einsum(spec: str, gather: Gather | None, x: jax.Array, w: CastWeight) -> jax.Array:
-  return _forward(spec, gather, x, w)[0]
+def _cast_einsum(spec: str, tensor: Tensor | None, x: jax.Array, w: CastWeight) -> jax.Array:
+  return _forward(spec, tensor, x, w)[0]
 
 
-def _forward(spec, gather, x, w):
-  xq, x_scale = _quantize(x, E4M3, gather)
-  if gather is not None:
-    xq = gather.gather(xq)
-  return _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype), (xq, x_scale, w.cast, w.scale)
+def _forward(spec, tensor, x, w):
+  entry = tensor if tensor is not None and tensor.gather is not None else None
+  if w.x_scale is None:
+    xq, x_scale = _quantize(x, E4M3, entry)
+    x_amax = None
+  else:
+    xq, x_scale = fp8_ops.quantize(x, E4M3, w.x_scale, jnp.float32), w.x_scale
+    x_amax = _observed(x, tensor)
+  if entry is not None:
+    xq = entry.gather(xq)
+  out = _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype)
+  return out, (xq, x_scale, w.cast, w.scale, w.g_scale, x_amax)
 
 
-def _backward(spec, gather, residuals, g):
-  xq, x_scale, wq, w_scale = residuals
-  gq, g_scale = _quantize(g, E5M2)
+def _backward(spec, tensor, residuals, g):
+  xq, x_scale, wq, w_scale, g_scale, x_amax = residuals
+  if g_scale is None:
+    gq, g_scale = _quantize(g, E5M2)
+    g_amax = None
+  else:
+    gq, g_amax = fp8_ops.quantize(g, E5M2, g_scale, jnp.float32), _observed(g, tensor)
   inputs, out = spec.split("->")
   x_axes, w_axes = inputs.split(",")
   dx = _fp8_einsum(f"{out},{w_axes}->{x_axes}", gq, wq, g_scale * w_scale, g.dtype)
   dw = _fp8_einsum(f"{x_axes},{out}->{w_axes}", xq, gq, x_scale * g_scale, g.dtype)
-  if gather is not None:
-    dx = gather.scatter(dx)
-  # The cast and its scale are constants of the step: the gradient is the weight's.
-  return dx, CastWeight(dw, None, None)
+  if tensor is not None and tensor.scatter is not None:
+    dx = tensor.scatter(dx)
+  # The cast and its scale are constants of the step: the gradient is the weight's; the
+  # activation scales' "gradients" are the amaxes observed.
+  return dx, CastWeight(dw, None, None, x_amax, g_amax)
 
 
 _cast_einsum.defvjp(_forward, _backward)
 
 
-def split_casts(params: dict) -> tuple[dict, dict]:
+def split_casts(params: dict) -> tuple[dict, dict, dict]:
   """Layer parameters -> (the arrays to differentiate, {name: (cast, scale)} of the
-  CastWeights among them): a hand-written backward pass (parallelism/one_f_one_b.py)
-  accumulates gradients for the first only."""
+  CastWeights among them, {name: (x_scale, g_scale)} of those scaled by delay): a
+  hand-written backward pass (parallelism/one_f_one_b.py) accumulates gradients for the
+  first, nothing for the second and the maximum amax observed for the third."""
   weights = {k: v.weight if isinstance(v, CastWeight) else v for k, v in params.items()}
   casts = {k: (v.cast, v.scale) for k, v in params.items() if isinstance(v, CastWeight)}
-  return weights, casts
+  scales = {k: (v.x_scale, v.g_scale) for k, v in params.items()
+            if isinstance(v, CastWeight) and v.x_scale is not None}
+  return weights, casts, scales
 
 
-def with_casts(weights: dict, casts: dict) -> dict:
+def with_casts(weights: dict, casts: dict, scales: dict) -> dict:
   """The inverse of split_casts."""
-  return {k: CastWeight(w, *casts[k]) if k in casts else w for k, w in weights.items()}
+  return {k: CastWeight(w, *casts[k], *scales.get(k, (None, None))) if k in casts else w
+          for k, w in weights.items()}

@@ -119,7 +119,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
   def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
     if cfg.sequence_parallel:
-      return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes, gather_in_fn=cfg.fp8)
+      return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes, tensor_in_fn=cfg.fp8)
     return constrain(matmul(spec, h, w), out_axes)
 
   x = checkpoint_name(constrain(x, residual), "layer_input")
@@ -200,13 +200,19 @@ class GPT(nnx.Module):
     # is vocab-parallel over tensor only; otherwise the partitioner replicates it.
     return constrain(self._cast(self.wte), ("vocab", None))
 
-  def layer_params(self) -> dict[str, jax.Array | fp8.CastWeight]:
+  def layer_params(self, scales: dict | None = None) -> dict[str, jax.Array | fp8.CastWeight]:
     """The stacked layer parameters in the compute dtype; with FP8 the matmul kernels
-    with their FP8 casts, made once here for every layer call of the step."""
+    with their FP8 casts, made once here for every layer call of the step. scales:
+    delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
     params = {name: self._cast(v) for name, v in vars(self.layers).items()
               if isinstance(v, nnx.Param)}
     if self.cfg.fp8:
-      params |= {name: fp8.cast_weights(params[name]) for name in KERNELS}
+      for name in KERNELS:
+        w = fp8.cast_weights(params[name], (scales or {}).get(name))
+        # A kernel may be stored split over `data` (train.shard_optimizer): its cast is
+        # gathered whole, in FP8.
+        axes = getattr(self.layers, name).get_metadata()["axes"]
+        params[name] = w._replace(cast=constrain(w.cast, axes))
     return params
 
   def embed(self, tokens: jax.Array) -> jax.Array:
@@ -223,5 +229,5 @@ class GPT(nnx.Module):
       logits = jnp.einsum("btd,dv->btv", x, self._cast(self.lm_head))
     return constrain(logits, ("batch", "length", "act_vocab")).astype(jnp.float32)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    return self.head(run_layers(self.cfg, self.embed(tokens), self.layer_params()))
+  def __call__(self, tokens: jax.Array, scales: dict | None = None) -> jax.Array:
+    return self.head(run_layers(self.cfg, self.embed(tokens), self.layer_params(scales)))

@@ -78,7 +78,7 @@ class _Carry(NamedTuple):
   x: jax.Array  # the input of this trip's forward chunk [P, b, ...]
   g: jax.Array  # the output gradient of this trip's backward chunk [P, b, ...]
   slots: list  # forward residuals, each [P, slots + 1, ...]
-  grads: Any  # weight gradients, as the stacked weights [P, V C, ...]
+  grads: Any  # (weight gradients, scales' largest cotangents), as stacked [P, V C, ...]
   outs: jax.Array  # the current group's last-layer outputs [P, P + 1, b, ...] (rank P-1's)
   dys: jax.Array  # their loss gradients [P, P, b, ...] (for rank P-1)
   d_inputs: jax.Array  # input gradients by micro-batch [P, M + 1, b, ...] (rank 0's)
@@ -153,33 +153,39 @@ def schedule(micro_batches: int, stages: int, virtual_stages: int) -> Schedule:
 
 
 def run(
-  chunk_fn: Callable[[jax.Array, Any, Any], jax.Array],
+  chunk_fn: Callable[[jax.Array, Any, Any, Any], jax.Array],
   weights: Any,
+  scales: Any,
   constants: Any,
   inputs: jax.Array,
   head: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Any]],
   stages: int,
   virtual_stages: int,
-) -> tuple[jax.Array, Any, jax.Array, Any]:
+) -> tuple[jax.Array, Any, Any, jax.Array, Any]:
   """One data-parallel replica's forward and backward through the pipeline.
 
-  chunk_fn(x, chunk_weights, chunk_constants): C layers (the rows of a rank's stack that
-  make up one chunk) on one micro-batch x [b, ...]. weights: the stacked layer parameters to
-  differentiate, [L, ...] in stage order, sharded over `pipeline`; constants: stacked
-  arrays the chunks read but are not differentiated for (FP8 weight casts). inputs
-  [P, M, b, ...]: the embedded micro-batches, each rank's own copy (rank 0 reads them).
-  head(ys, g): on group g's last-layer outputs ys [P, b, ...], its loss, the loss's
-  gradient for ys and any gradients of its own.
+  chunk_fn(x, chunk_weights, chunk_scales, chunk_constants): C layers (the rows of a
+  rank's stack that make up one chunk) on one micro-batch x [b, ...]. weights: the
+  stacked layer parameters to differentiate, [L, ...] in stage order, sharded over
+  `pipeline`; scales: stacked values whose cotangents are observations to keep the
+  largest of, not to sum (FP8 delayed scaling's scales, whose cotangents are amaxes);
+  constants: stacked arrays the chunks read but are not differentiated for (FP8 weight
+  casts). inputs [P, M, b, ...]: the embedded micro-batches, each rank's own copy (rank 0
+  reads them). head(ys, g): on group g's last-layer outputs ys [P, b, ...], its loss, the
+  loss's gradient for ys and any gradients of its own.
 
-  Returns (summed head losses, gradients of weights [L, ...], of inputs [P, M, b, ...]
-  (zero but on rank 0), summed head gradients).
+  Returns (summed head losses, gradients of weights [L, ...], the largest cotangent of
+  each scale over the micro-batches [L, ...], gradients of inputs [P, M, b, ...] (zero but
+  on rank 0), summed head gradients).
   """
   P, V, M = stages, virtual_stages, inputs.shape[1]
   plan = schedule(M, P, V)
   C = jax.tree.leaves(weights)[0].shape[0] // (P * V)
   # [L, ...] -> [P, V C, ...]: splits the sharded axis along its blocks, no data moves.
   by_rank = lambda tree: jax.tree.map(lambda x: x.reshape(P, V * C, *x.shape[1:]), tree)
-  rank_weights, rank_constants = by_rank(weights), by_rank(constants)
+  # The chunks differentiate (weights, scales) together; their cotangents accumulate
+  # apart, summed and maximised.
+  rank_weights, rank_constants = by_rank((weights, scales)), by_rank(constants)
   structure = {}  # of the forward's vjp: its tree, and for each leaf a shared leaf or None
 
   def chunk_rows(tree, first):
@@ -190,7 +196,7 @@ def run(
     # the whole stack; a residual that is one of those rows is sliced again backward
     # rather than kept.
     w, consts = chunk_rows(w, first), chunk_rows(consts, first)
-    y, vjp = jax.vjp(lambda x, w: chunk_fn(x, w, consts), x, w)
+    y, vjp = jax.vjp(lambda x, w: chunk_fn(x, *w, consts), x, w)
     leaves, treedef = jax.tree.flatten(vjp)
     shared = jax.tree.leaves((w, consts))
     if "vjp" not in structure:
@@ -216,6 +222,10 @@ def run(
     # scatter into a temporary and a copy under the stage vmap (512 H100: 0.3 s a step).
     return total + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(total), part, first, 0)
 
+  def max_rows(total, part, first):  # [V C] scalars a row: small enough to slice
+    rows = jnp.maximum(jax.lax.dynamic_slice_in_dim(total, first, C), part)
+    return jax.lax.dynamic_update_slice_in_dim(total, rows, first, 0)
+
   def rank_trip(w, consts, inputs, row, carry, do_forward, do_backward):
     y, dx = carry.x, carry.g  # what an idle direction passes on
     slots, grads, outs, d_inputs = carry.slots, carry.grads, carry.outs, carry.d_inputs
@@ -232,8 +242,13 @@ def run(
       g = g * row[B_VALID].astype(g.dtype)
       kept = [s[row[B_SLOT]] for s in slots]
       first = row[B_CHUNK] * C
-      dx, dw = backward(kept, w, consts, first, g)
-      grads = jax.tree.map(lambda total, part: add_rows(total, part, first), grads, dw)
+      dx, (dw, d_scales) = backward(kept, w, consts, first, g)
+      # An idle trip recomputes its forward on stale data: its observations are dropped.
+      d_scales = jax.tree.map(lambda a: a * row[B_VALID].astype(a.dtype), d_scales)
+      grads = (
+        jax.tree.map(lambda total, part: add_rows(total, part, first), grads[0], dw),
+        jax.tree.map(lambda total, part: max_rows(total, part, first), grads[1], d_scales),
+      )
       d_inputs = jax.lax.dynamic_update_index_in_dim(d_inputs, dx, row[B_OUT], 0)
     return _Carry(y, dx, slots, grads, outs, carry.dys, d_inputs)
 
@@ -303,4 +318,5 @@ def run(
     with jax.named_scope(DRAIN_SCOPE):
       carry = loop(carry, rows[D + (G - 1) * steady :], False, True)
   unstack = lambda x: x.reshape(P * V * C, *x.shape[2:])
-  return loss, jax.tree.map(unstack, carry.grads), carry.d_inputs[:, :M], head_grads
+  d_weights, d_scales = jax.tree.map(unstack, carry.grads)
+  return loss, d_weights, d_scales, carry.d_inputs[:, :M], head_grads

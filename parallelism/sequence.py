@@ -12,7 +12,7 @@ pipeline (the GPU pipeline has a pass that fuses the two), so the collectives ar
 written out here with all_gather / psum_scatter inside a shard_map that is manual over
 `tensor` and automatic over the other axes. Each is the other's transpose, so the
 backward pass gets the mirror image. An FP8 matmul runs its entry's all-gather itself,
-on its E4M3 cast (`Gather`, model/fp8.py): half the bytes of gathering bfloat16.
+on its E4M3 cast (`Tensor`, model/fp8.py): half the bytes of gathering bfloat16.
 """
 
 from collections.abc import Callable, Sequence
@@ -28,12 +28,17 @@ TENSOR = "tensor"
 SEQUENCE = "act_seq"
 
 
-class Gather(NamedTuple):
-  """An entry's collectives over `tensor`, for a matmul that runs them itself."""
+class Tensor(NamedTuple):
+  """The tensor-parallel group, for a matmul that runs its own collectives over it."""
 
   amax: Callable[[jax.Array], jax.Array]  # a shard's amax -> the amax of every shard
-  gather: Callable[[jax.Array], jax.Array]  # a shard [b, T/t, ...] -> the whole [b, T, ...]
-  scatter: Callable[[jax.Array], jax.Array]  # its transpose: partial sums -> a shard's sum
+  # A value equal on every rank -> that value on one rank and zero on the others: the
+  # cotangent of an input the ranks share is the sum of theirs.
+  report: Callable[[jax.Array], jax.Array]
+  # At a region's entry (else None): a shard [b, T/t, ...] -> the whole [b, T, ...], and
+  # its transpose, partial sums -> a shard's sum.
+  gather: Callable[[jax.Array], jax.Array] | None
+  scatter: Callable[[jax.Array], jax.Array] | None
 
 
 def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -50,14 +55,14 @@ def matmul(
   x_axes: Sequence[str | None],
   w_axes: Sequence[str | None],
   out_axes: Sequence[str | None],
-  gather_in_fn: bool = False,
+  tensor_in_fn: bool = False,
 ) -> jax.Array:
   """fn(spec, x, w) at a tensor-parallel region's boundary, the sequence on axis 1.
 
   Entry (x_axes[1] is `act_seq`): x is all-gathered along the sequence first, or with
-  gather_in_fn by fn itself, given a `Gather` (model/fp8.py gathers its FP8 cast). Exit
-  (out_axes[1] is `act_seq`): the partial sums are reduce-scattered along it. Outside a
-  mesh: the plain fn.
+  tensor_in_fn by fn itself, given the group as `tensor=Tensor(...)` (model/fp8.py
+  gathers its FP8 cast and reduces its amaxes over the group). Exit (out_axes[1] is
+  `act_seq`): the partial sums are reduce-scattered along it. Outside a mesh: the plain fn.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -77,18 +82,21 @@ def matmul(
       y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
     ).astype(y.dtype)
 
+  def report(a):
+    return jnp.where(jax.lax.axis_index(TENSOR) == 0, a, jnp.zeros_like(a))
+
   def local(x, w):
-    if x_axes[1] == SEQUENCE and gather_in_fn:
-      y = fn(
-        spec, x, w, gather=Gather(lambda a: jax.lax.pmax(a, TENSOR), all_gather, reduce_scatter)
-      )
+    entry = x_axes[1] == SEQUENCE
+    if tensor_in_fn:
+      collectives = (all_gather, reduce_scatter) if entry else (None, None)
+      y = fn(spec, x, w, tensor=Tensor(lambda a: jax.lax.pmax(a, TENSOR), report, *collectives))
     else:
-      y = fn(spec, all_gather(x) if x_axes[1] == SEQUENCE else x, w)
+      y = fn(spec, all_gather(x) if entry else x, w)
     return reduce_scatter(y) if out_axes[1] == SEQUENCE else y
 
   x_spec, w_spec, out_spec = (_tensor_only(a) for a in (x_axes, w_axes, out_axes))
-  # w may carry its FP8 cast and per-tensor scale (model/fp8.py CastWeight): the cast is
-  # laid out like w, the scale is a scalar.
+  # w may carry its FP8 cast and per-tensor scales (model/fp8.py CastWeight): the cast is
+  # laid out like w, the scales are scalars.
   w_specs = jax.tree.map(lambda leaf: w_spec if jnp.ndim(leaf) else PartitionSpec(), w)
   # Under the pipeline's vmaps (spmd_axis_name `pipeline` and `data`) those axes must be
   # manual here too; elsewhere they stay automatic (an unused manual axis would get

@@ -13,8 +13,8 @@ For one experiment on N GPUs of one generation:
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
    candidate that survives would compile: `project.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
-   micro-batches per pass for interleaving, in groups of the stages for 1f1b), and
-   `train_step.build` on an abstract mesh (heads, MLP width and vocabulary over tensor,
+   micro-batches per pass for interleaving, in groups of the stages for 1f1b; FP8 delayed
+   scaling only under 1f1b), and `train_step.build` on an abstract mesh (heads, MLP width and vocabulary over tensor,
    sequence parallelism). The reason recorded is
    the field the first failing check names. A candidate whose parameters and optimizer
    state alone (exact, from their shardings) exceed the GPU's HBM is pruned too.
@@ -248,6 +248,7 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
         pipeline.check(cand_exp.model.num_layers, stages, candidate.virtual_stages, micro,
                        pipeline.passes(cand_exp.train.pipeline_passes, micro, stages, schedule),
                        schedule)
+        train_step.check_fp8_schedule(cand_exp.model, cand_exp.train, stages)
       # The model's shapes over the model-parallel axes: once the checks above pass, the
       # same for every micro-batch, virtual-stage count (a reordering of the layers) and
       # remat policy, so built once per (fsdp, tensor, pipeline).

@@ -214,7 +214,7 @@ def test_sequence_parallel_fp8_entries_all_gather_e4m3_on_h100():
 
   def loss(x, w):
     y = sequence.matmul(fp8.einsum, "btd,df->btf", x, w, ("batch", "act_seq", "act_embed"),
-                        ("embed", "mlp"), ("batch", "length", "act_mlp"), gather_in_fn=True)
+                        ("embed", "mlp"), ("batch", "length", "act_mlp"), tensor_in_fn=True)
     return y.astype(jnp.float32).sum()
 
   with jax.set_mesh(mesh):
@@ -222,6 +222,33 @@ def test_sequence_parallel_fp8_entries_all_gather_e4m3_on_h100():
   kinds = {(c.kind, c.dtype) for c, _ in hlo.collectives(hlo.analyze(text))}
   assert ("all-gather", "f8e4m3fn") in kinds and ("reduce-scatter", "bf16") in kinds, kinds
   assert ("all-gather", "bf16") not in kinds, kinds
+
+
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_split_optimizer_gathers_the_fp8_kernels_casts_over_data_on_h100():
+  # With the moments split over data, FP8 kernels are stored split too and each step
+  # all-gathers their E4M3 casts (train/step.py): one byte per kernel element over `data`,
+  # and no kernel gathered in bfloat16 (the other parameters are far smaller).
+  exp = ExperimentConfig(
+    name="fp8_gather", description="FP8 parameter all-gather",
+    model=ModelConfig(name="fp8_gather", num_layers=4, d_model=128, num_heads=2, head_dim=64,
+                      seq_len=128, vocab_size=256, compute_dtype="bfloat16",
+                      param_dtype="bfloat16", fp8=True, fp8_amax_history=16),
+    mesh=MeshConfig(data=-1, tensor=2, pipeline=2),
+    train=TrainConfig(global_batch=16, micro_batch=1, pipeline_schedule="1f1b",
+                      shard_optimizer=True),
+  )
+  reduced = project.plan(exp, H100, 8)
+  train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
+  program = project.compile_step(
+    exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program
+  gathered = {"f8e4m3fn": 0, "bf16": 0}
+  for node, _ in hlo.collectives(program):
+    if node.kind == "all-gather" and layout.axes_of(node.groups, reduced) == "data":
+      gathered[node.dtype] = gathered.get(node.dtype, 0) + node.bytes
+  kernel_elements = 12 * 4 * 128 * 128 // (2 * 2)  # L (3 D^2 + D^2 + 2 x 4 D^2) per rank
+  assert gathered["f8e4m3fn"] == kernel_elements, gathered
+  assert gathered["bf16"] < kernel_elements, gathered
 
 
 # ----------------------------------------------------------------------------- pipeline bubble

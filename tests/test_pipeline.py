@@ -214,10 +214,10 @@ def test_fp8_entry_all_gathers_the_cast_and_computes_what_gathering_first_does()
   w = jax.random.normal(keys[1], (32, 64), jnp.float32)
   g = jax.random.normal(keys[2], (4, 16, 64), jnp.float32)
 
-  def product(gather_in_fn):
+  def product(tensor_in_fn):
     def f(x, w):
       return sequence.matmul(fp8.einsum, "btd,df->btf", x, w, ("batch", "act_seq", "act_embed"),
-                             ("embed", "mlp"), ("batch", "length", "act_mlp"), gather_in_fn)
+                             ("embed", "mlp"), ("batch", "length", "act_mlp"), tensor_in_fn)
     with jax.set_mesh(mesh):
       y, vjp = jax.vjp(jax.jit(f), x, w)
       return y, *vjp(g)

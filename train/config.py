@@ -33,7 +33,8 @@ class TrainConfig:
   pipeline_passes: int = 1
   # Adam's moments split over `data` (Megatron's distributed optimizer, ZeRO stage 1):
   # 1 / data of their memory, the same bytes moved (gradients reduce-scattered, updated
-  # parameters all-gathered, instead of all-reduced gradients).
+  # parameters all-gathered, instead of all-reduced gradients). With model.fp8 the
+  # matmul kernels are split too, and their FP8 casts all-gathered (train/step.py).
   shard_optimizer: bool = False
   steps: int = 10               # timed / trained steps
   warmup_steps: int = 2         # excluded from timing (compilation caches, allocators)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from errors import UserInputError
 from model.config import ModelConfig
 from model import fp8
-from model.gpt import GPT, run_layers
+from model.gpt import GPT, KERNELS, run_layers
 from parallelism import one_f_one_b, pipeline, rules, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
@@ -32,6 +32,9 @@ class TrainState(NamedTuple):
   step: jax.Array       # int32 scalar
   params: nnx.State     # model parameters, NNX variables carrying logical axes
   opt_state: Any        # optax state; its moments mirror `params`
+  # FP8 delayed scaling: {kernel: fp8.AmaxHistory [L, 2, N]}, the layers in the stack's
+  # order; empty otherwise.
+  fp8_history: dict
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -58,6 +61,15 @@ class TrainProgram:
       return self.step.lower(self.abstract_state, self.abstract_batch(global_batch, seq_len))
 
 
+def check_fp8_schedule(model_cfg: ModelConfig, train_cfg: TrainConfig, stages: int) -> None:
+  """FP8 delayed scaling, pipelined, needs the 1f1b schedule: autodiff of the lockstep
+  loops (parallelism/pipeline.py) would sum the micro-batches' amaxes, not keep the largest."""
+  if stages > 1 and model_cfg.delayed_scaling and train_cfg.pipeline_schedule != "1f1b":
+    raise UserInputError("model.fp8_amax_history > 0 (delayed scaling) needs "
+                         "train.pipeline_schedule = 1f1b when pipelined, got "
+                         f"{train_cfg.pipeline_schedule!r}")
+
+
 def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainProgram:
   model_cfg.validate()
   train_cfg.validate()
@@ -69,11 +81,18 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"model.seq_len = {model_cfg.seq_len} does not divide over mesh tensor "
                          f"= {mesh.shape['tensor']} (model.sequence_parallel)")
 
+  check_fp8_schedule(model_cfg, train_cfg, stages)
+
   def init() -> TrainState:
     params = nnx.state(GPT(model_cfg, nnx.Rngs(train_cfg.seed), pipelined), nnx.Param)
     if pipelined:
       params["layers"] = pipeline.stage_order(params["layers"], stages, virtual)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+    history = {}
+    if model_cfg.delayed_scaling:
+      stack_axis = "stage" if pipelined else "layers"
+      history = {name: fp8.new_history(model_cfg.num_layers, model_cfg.fp8_amax_history,
+                                       stack_axis) for name in KERNELS}
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), history)
 
   data_ways = sharding.data_parallel_ways(mesh)
   if train_cfg.global_batch % data_ways:
@@ -97,12 +116,25 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
   if train_cfg.shard_optimizer:
     state_shardings = state_shardings._replace(
         opt_state=sharding.over_data(abstract.opt_state, mesh))
+    if model_cfg.fp8:
+      # The FP8 matmuls' kernels are kept split over `data` like their moments: the
+      # forward reads only their casts, which each step all-gathers in FP8 (half the bytes
+      # of gathering the updated bfloat16 kernels; Megatron's --fp8-param-gather).
+      params = state_shardings.params
+      layers = {**params["layers"], **{name: sharding.over_data(abstract.params["layers"][name],
+                                                                mesh) for name in KERNELS}}
+      state_shardings = state_shardings._replace(params=type(params)({**params, "layers": layers}))
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  def loss_fn(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
+  # Every loss below is differentiated for (params, scales): scales are FP8 delayed
+  # scaling's {kernel: (input scales [L], gradient scales [L])} ({} otherwise), and their
+  # "gradients" the amaxes observed, kept as the largest over micro-batches and replicas.
+  loss_and_grads_of = lambda loss_fn: jax.value_and_grad(loss_fn, argnums=(0, 1))
+
+  def loss_fn(params, scales, batch):
+    logits = nnx.merge(graphdef, params)(batch["inputs"], scales)
     return cross_entropy(logits, batch["targets"])
 
   def split(batch):
@@ -111,37 +143,42 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     n = micro_batches
     return jax.tree.map(lambda x: x.reshape(-1, n, x.shape[-1]).swapaxes(0, 1), batch)
 
-  def pipelined_loss_fn(params, micro):
+  def pipelined_loss_fn(params, scales, micro):
     # One data-parallel replica's micro-batches micro [M', mb, T] through the pipeline.
     model = nnx.merge(graphdef, params)
     x = jax.vmap(model.embed)(micro["inputs"])
     x = pipeline.run(lambda x, p, chunk: run_layers(model_cfg, x, p, chunk),
-                     model.layer_params(), x, stages, virtual)
+                     model.layer_params(scales), x, stages, virtual)
     # The head's micro-batches split over the stages, which would otherwise all repeat it.
     spread = pipeline.MESH_AXIS if per_pass % stages == 0 else None
     logits = jax.vmap(model.head, spmd_axis_name=spread)(x)
     return cross_entropy(logits, micro["targets"])
 
-  def accumulated(loss_and_grads_fn, params, micro):
-    """Mean loss and gradients over the leading axis of micro, one entry at a time."""
+  def accumulated(loss_and_grads_fn, params, scales, micro):
+    """Mean loss and gradients over the leading axis of micro, one entry at a time; the
+    largest amaxes."""
     def accumulate(carry, entry):
-      return jax.tree.map(jnp.add, carry, loss_and_grads_fn(params, entry)), None
+      (total, (total_grads, top)), (loss, (grads, amaxes)) = carry, loss_and_grads_fn(
+          params, scales, entry)
+      return (total + loss, (jax.tree.map(jnp.add, total_grads, grads),
+                             jax.tree.map(jnp.maximum, top, amaxes))), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (params, scales)))
     with jax.named_scope(GRAD_ACCUMULATION_SCOPE):
-      total, _ = jax.lax.scan(accumulate, zeros, micro)
-    return jax.tree.map(lambda x: x / jax.tree.leaves(micro)[0].shape[0], total)
+      (loss, (grads, amaxes)), _ = jax.lax.scan(accumulate, zeros, micro)
+    n = jax.tree.leaves(micro)[0].shape[0]
+    return loss / n, (jax.tree.map(lambda x: x / n, grads), amaxes)
 
-  def replica_loss_and_grads(params, rows):
+  def replica_loss_and_grads(params, scales, rows):
     # rows [B/R, T]: one data-parallel replica's share; its micro-batches [M, mb, T] run
     # through the pipeline in `passes` passes of M' = M / passes.
     micro = jax.tree.map(lambda x: x.reshape(passes, per_pass, *x.shape[1:]), split(rows))
-    grad_fn = jax.value_and_grad(pipelined_loss_fn)
+    grad_fn = loss_and_grads_of(pipelined_loss_fn)
     if passes == 1:
-      return grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-    return accumulated(grad_fn, params, micro)
+      return grad_fn(params, scales, jax.tree.map(lambda x: x[0], micro))
+    return accumulated(grad_fn, params, scales, micro)
 
-  def one_f_one_b_loss_and_grads(params, rows):
+  def one_f_one_b_loss_and_grads(params, scales, rows):
     # rows [B/R, T]: one data-parallel replica's share, its micro-batches [M, mb, T]
     # through the 1F1B schedule, which runs the backward pass itself: the embedding and
     # the layers' casts before it are differentiated here with jax.vjp, the head in it.
@@ -157,10 +194,10 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       tokens = pipeline.pin(jnp.broadcast_to(micro["inputs"], (stages, *micro["inputs"].shape)))
       with rules.vmapped(pipeline.MESH_AXIS):
         x = jax.vmap(jax.vmap(model.embed), spmd_axis_name=pipeline.MESH_AXIS)(tokens)  # [P, M, ...]
-      return x, model.layer_params()
+      return x, model.layer_params(scales)
 
     (x, layer_params), front_vjp = jax.vjp(front, params)
-    weights, casts = fp8.split_casts(layer_params)
+    weights, casts, layer_scales = fp8.split_casts(layer_params)
 
     def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
       def group_loss(rest, ys):
@@ -171,16 +208,17 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       d_rest, d_ys = vjp(jnp.ones_like(loss))
       return loss, d_ys, d_rest
 
-    loss, d_weights, d_x, d_rest = one_f_one_b.run(
-        lambda x, w, c: run_layers(model_cfg, x, fp8.with_casts(w, c), unroll=True),
-        weights, casts, x, head, stages, virtual)
-    zero_casts = jax.tree.map(jnp.zeros_like, casts)
-    grads = front_vjp((d_x, fp8.with_casts(d_weights, zero_casts)))[0]
+    loss, d_weights, amaxes, d_x, d_rest = one_f_one_b.run(
+        lambda x, w, s, c: run_layers(model_cfg, x, fp8.with_casts(w, c, s), unroll=True),
+        weights, layer_scales, casts, x, head, stages, virtual)
+    zeros = jax.tree.map(jnp.zeros_like, (casts, layer_scales))
+    grads = front_vjp((d_x, fp8.with_casts(d_weights, *zeros)))[0]
     head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
-    return loss, jax.tree_util.tree_map_with_path(
-        lambda path, g: g + head_grads[path] if path in head_grads else g, grads)
+    return loss, (jax.tree_util.tree_map_with_path(
+        lambda path, g: g + head_grads[path] if path in head_grads else g, grads), amaxes)
 
-  def loss_and_grads(params, batch):
+  def loss_and_grads(params, scales, batch):
+    """(loss, (gradients, amaxes)) of the global batch."""
     if pipelined:
       # Each replica accumulates its own gradients (vmapped with the weights unbatched:
       # its gradients come out per replica, sharded over `data`) through every pipeline
@@ -190,23 +228,29 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       with rules.vmapped("data"):
         replica = (one_f_one_b_loss_and_grads if pipeline_schedule == "1f1b"
                    else replica_loss_and_grads)
-        per_replica = jax.vmap(replica, in_axes=(None, 0),
-                               spmd_axis_name="data")(params, rows)
+        loss, (grads, amaxes) = jax.vmap(replica, in_axes=(None, None, 0),
+                                         spmd_axis_name="data")(params, scales, rows)
       # Summed in the gradients' own dtype, as the reduction over `data` runs (jnp.sum
       # would convert bfloat16 to float32 first and all-reduce twice the bytes).
-      mean = lambda x: jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,)) / replicas
-      return jax.tree.map(mean, per_replica)
+      over_replicas = lambda op: lambda x: jax.lax.reduce(x, jnp.zeros((), x.dtype), op, (0,))
+      mean = lambda x: over_replicas(jax.lax.add)(x) / replicas
+      return mean(loss), (jax.tree.map(mean, grads),
+                          jax.tree.map(over_replicas(jax.lax.max), amaxes))
     if micro_batches == 1:
-      return jax.value_and_grad(loss_fn)(params, batch)
-    return accumulated(jax.value_and_grad(loss_fn), params, split(batch))
+      return loss_and_grads_of(loss_fn)(params, scales, batch)
+    return accumulated(loss_and_grads_of(loss_fn), params, scales, split(batch))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    loss, grads = loss_and_grads(state.params, batch)
+    history = {name: h[...] for name, h in state.fp8_history.items()}
+    scales = {name: fp8.delayed_scales(h) for name, h in history.items()}
+    loss, (grads, amaxes) = loss_and_grads(state.params, scales, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": schedule(state.step)}
-    return TrainState(state.step + 1, params, opt_state), metrics
+    history = {name: state.fp8_history[name].replace(fp8.record(h, amaxes[name]))
+               for name, h in history.items()}
+    return TrainState(state.step + 1, params, opt_state, history), metrics
 
   abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)

@@ -1,0 +1,160 @@
+"""FP8 delayed scaling (model/fp8.py): the scales it casts with, and the amaxes it records
+through every path that differentiates the layers."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from errors import UserInputError
+from model import fp8
+from model.config import ModelConfig
+from model.gpt import GPT, KERNELS
+from parallelism import pipeline
+from parallelism.mesh import MeshConfig, build_mesh, plan
+from train import data
+from train import step as train_step
+from train.config import TrainConfig
+
+MODEL = ModelConfig(
+  num_layers=4, d_model=32, num_heads=4, head_dim=8, seq_len=16, vocab_size=128,
+  remat="elementwise", fp8=True, fp8_amax_history=4,
+)
+TRAIN = TrainConfig(global_batch=8, steps=2, warmup_steps=0, task="learnable",
+                    learning_rate=1e-2, lr_warmup_steps=1)
+BATCH = data.batch("learnable", 0, 0, TRAIN.global_batch, MODEL.seq_len, MODEL.vocab_size)
+
+
+def test_delayed_scaling_casts_with_the_given_scales_and_returns_the_amaxes():
+  # One matmul given the scales current scaling would compute computes what current
+  # scaling does, and its scales' cotangents are the amaxes of the input and of the output
+  # gradient; given another input scale (not a power of 2, which would only shift every
+  # cast's exponent), it computes something else.
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (4, 16, 32)) * 3
+  w = jax.random.normal(keys[1], (32, 64)) * 0.02
+  g = jax.random.normal(keys[2], (4, 16, 64)) * 1e-3
+  x_amax, g_amax = jnp.max(jnp.abs(x)), jnp.max(jnp.abs(g))
+  x_scale, g_scale = x_amax / 448.0, g_amax / 57344.0  # E4M3's and E5M2's largest finite
+
+  def current(x, w):
+    return fp8.einsum("btd,df->btf", x, w)
+
+  def delayed(x, w, x_scale, g_scale):
+    stack = fp8.cast_weights(w[None], (x_scale[None], g_scale[None]))  # one layer
+    return fp8.einsum("btd,df->btf", x, jax.tree.map(lambda a: a[0], stack))
+
+  y, vjp = jax.vjp(current, x, w)
+  y_d, vjp_d = jax.vjp(delayed, x, w, x_scale, g_scale)
+  np.testing.assert_allclose(y_d, y, rtol=1e-6)
+  dx, dw, observed_x, observed_g = vjp_d(g)
+  for a, b in zip((dx, dw), vjp(g), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-12)
+  np.testing.assert_allclose(observed_x, x_amax, rtol=1e-6)
+  np.testing.assert_allclose(observed_g, g_amax, rtol=1e-6)
+  assert np.abs(np.asarray(delayed(x, w, 3 * x_scale, g_scale) - y)).max() > 1e-3
+
+
+def test_delayed_scaling_trains_like_bf16_once_its_history_fills():
+  # The bounds of tests/test_pipeline.py's FP8-against-bf16 check, after one pass has
+  # filled the history (the first casts at scale 1, as Transformer Engine's first step).
+  bf16 = dataclasses.replace(MODEL, fp8=False, compute_dtype="bfloat16", remat="none")
+  delayed = dataclasses.replace(bf16, fp8=True)
+  params = jax.jit(lambda: nnx.state(GPT(bf16, nnx.Rngs(0)), nnx.Param))()
+
+  def loss(p, scales, cfg):
+    logits = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0)))), p)(
+      BATCH["inputs"], scales)
+    return train_step.cross_entropy(logits, BATCH["targets"])
+
+  @jax.jit
+  def run():
+    history = {name: fp8.new_history(MODEL.num_layers, 4, "layers")[...] for name in KERNELS}
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    for _ in range(2):
+      scales = {name: fp8.delayed_scales(h) for name, h in history.items()}
+      loss_8, (grads_8, amaxes) = grad(params, scales, delayed)
+      history = {name: fp8.record(h, amaxes[name]) for name, h in history.items()}
+    return jax.value_and_grad(loss)(params, {}, bf16), (loss_8, grads_8), history
+
+  (loss_16, grads_16), (loss_8, grads_8), history = run()
+  assert abs(float(loss_8) / float(loss_16) - 1) < 0.01, (loss_8, loss_16)
+  for name in KERNELS:
+    g8, g16 = (np.asarray(g["layers"][name][...], np.float32) for g in (grads_8, grads_16))
+    error = np.linalg.norm(g8 - g16) / np.linalg.norm(g16)
+    assert error < 0.15, (name, error)
+    # Two passes recorded, newest first, for every layer's input and gradient.
+    assert np.all(np.asarray(history[name][..., :2]) > 0), name
+    assert np.all(np.asarray(history[name][..., 2:]) == 0), name
+
+
+def _first_steps(mesh_cfg: MeshConfig, devices: int, train: TrainConfig, model: ModelConfig):
+  """Two steps on BATCH: their losses, each kernel's amaxes [L, 2] (model order) recorded
+  by the first, and the fc1 kernels' change over both [L, D, F] (stage order)."""
+  program = train_step.build(model, train, build_mesh(plan(mesh_cfg, devices),
+                                                      jax.devices()[:devices]))
+  batch = jax.device_put(BATCH, program.batch_sharding)
+  state = program.init()
+  fc1 = np.asarray(state.params["layers"]["fc1_kernel"][...])
+  state, first = program.step(state, batch)
+  newest = {name: np.asarray(h[...])[..., 0] for name, h in state.fp8_history.items()}
+  if mesh_cfg.pipeline > 1:
+    newest = {name: np.asarray(pipeline.model_order(h, mesh_cfg.pipeline, train.virtual_stages))
+              for name, h in newest.items()}
+  state, second = program.step(state, batch)
+  change = np.asarray(state.params["layers"]["fc1_kernel"][...]) - fc1
+  return [float(first["loss"]), float(second["loss"])], newest, change
+
+
+def test_one_f_one_b_records_the_largest_amax_over_micro_batches_replicas_and_shards():
+  # The interleaved 1F1B schedule (2 ranks x 2 chunks) on 2 replicas of 4 micro-batches,
+  # each tensor-parallel over 2 with sequence parallelism, against one device running the
+  # whole batch at once. Inputs' amaxes must match; each replica differentiates the mean
+  # loss of its half of the batch, so its gradients, and their largest amax, are twice
+  # the whole batch's. Summing amaxes over micro-batches, replicas or tensor ranks, or
+  # recording an idle trip's, would be off by up to 4x (or give another layer's amax).
+  model = dataclasses.replace(MODEL, sequence_parallel=True)
+  losses_1, one, _ = _first_steps(MeshConfig(data=1), 1, TRAIN, model)
+  train = dataclasses.replace(TRAIN, pipeline_schedule="1f1b", virtual_stages=2,
+                              micro_batch=1)
+  mesh = MeshConfig(data=2, tensor=2, pipeline=2)
+  losses_8, eight, change = _first_steps(mesh, 8, train, model)
+  np.testing.assert_allclose(losses_8, losses_1, rtol=1e-4)
+  for name in KERNELS:
+    np.testing.assert_allclose(eight[name][:, 0], one[name][:, 0], rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(eight[name][:, 1], 2 * one[name][:, 1], rtol=0.05, err_msg=name)
+  # The moments split over data, and with them the FP8 kernels, whose casts each step
+  # gathers: the same training, the update made in shards.
+  split_losses, _, split_change = _first_steps(
+    mesh, 8, dataclasses.replace(train, shard_optimizer=True), model)
+  np.testing.assert_allclose(split_losses, losses_8, rtol=1e-6)
+  assert np.abs(change).max() > 1e-3
+  np.testing.assert_allclose(split_change, change, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulated_micro_batches_record_their_largest_amax():
+  # Four micro-batches accumulated on one device: each is differentiated for its own mean
+  # loss, so gradients four times the whole batch's, and the largest of their amaxes.
+  _, whole, _ = _first_steps(MeshConfig(data=1), 1, TRAIN, MODEL)
+  _, micro, _ = _first_steps(MeshConfig(data=1), 1, dataclasses.replace(TRAIN, micro_batch=2),
+                             MODEL)
+  for name in KERNELS:
+    np.testing.assert_allclose(micro[name][:, 0], whole[name][:, 0], rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(micro[name][:, 1], 4 * whole[name][:, 1], rtol=0.05,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("interleaved", 2)])
+def test_delayed_scaling_needs_1f1b_when_pipelined(schedule, virtual):
+  train = dataclasses.replace(TRAIN, pipeline_schedule=schedule, virtual_stages=virtual)
+  mesh = build_mesh(plan(MeshConfig(data=1, pipeline=2), 2), jax.devices()[:2])
+  with pytest.raises(UserInputError, match="needs train.pipeline_schedule = 1f1b"):
+    train_step.build(MODEL, train, mesh)
+
+
+def test_amax_history_length_is_checked():
+  with pytest.raises(UserInputError, match="model.fp8_amax_history must be 0"):
+    dataclasses.replace(MODEL, fp8_amax_history=-1).validate()
