@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from errors import UserInputError
 from model.config import ModelConfig
 from model import fp8
-from model.gpt import GPT, KERNELS, run_layers
+from model.gpt import GPT, KERNELS, residual_axes, run_layers
 from parallelism import one_f_one_b, pipeline, rules, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
@@ -210,7 +210,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
 
     loss, d_weights, amaxes, d_x, d_rest = one_f_one_b.run(
         lambda x, w, s, c: run_layers(model_cfg, x, fp8.with_casts(w, c, s), unroll=True),
-        weights, layer_scales, casts, x, head, stages, virtual)
+        weights, layer_scales, casts, x, head, stages, virtual, residual_axes(model_cfg))
     zeros = jax.tree.map(jnp.zeros_like, (casts, layer_scales))
     grads = front_vjp((d_x, fp8.with_casts(d_weights, *zeros)))[0]
     head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
