@@ -16,9 +16,9 @@ over the tensor before its cast (a scalar all-reduce when the operand is sharded
 With model.fp8_amax_history N > 0 it is *delayed*, Transformer Engine's recipe in the
 published MLPerf runs (`DelayedScaling`: amax_history_len 1024, amax_compute_algo "max"
 by default, TE 1.x-2.x API docs): each cast uses a scale from the largest amax of the last
-N steps, so it needs no pass of its own and fuses into the op that produces the tensor;
-the tensor's amax is still taken (a reduction XLA can fuse alongside) and recorded for
-the steps to come. A `CastWeight` then carries the two scales (`x_scale`, `g_scale`),
+N steps, so it need not wait for a pass over the tensor and can fuse into the op that
+produces it; the tensor's amax is still taken (a reduction XLA can fuse alongside, and
+off the critical path) and recorded for the steps to come. A `CastWeight` then carries the two scales (`x_scale`, `g_scale`),
 and the backward pass returns the observed amaxes as their cotangents: every code path
 that differentiates the layers brings them out as it brings out weight gradients, and
 combines the micro-batches' and replicas' amaxes with max (train/step.py,
@@ -66,12 +66,11 @@ def _quantize(x: jax.Array, dtype, tensor: Tensor | None = None) -> tuple[jax.Ar
   return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
 
 
-def _observed(x: jax.Array, tensor: Tensor | None) -> jax.Array:
+def _observed(x: jax.Array) -> jax.Array:
   """The amax of x to record (delayed scaling), as the cotangent of its scale. In a
-  tensor-parallel group x may be a shard and the scale is shared by every rank, whose
-  cotangents the group sums: the amax of every shard, reported by one rank."""
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  return tensor.report(tensor.amax(amax)) if tensor else amax
+  tensor-parallel group x may be a shard: parallelism/sequence.py keeps the largest of
+  the ranks' cotangents."""
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 class CastWeight(NamedTuple):
@@ -159,7 +158,7 @@ def _forward(spec, tensor, x, w):
     x_amax = None
   else:
     xq, x_scale = fp8_ops.quantize(x, E4M3, w.x_scale, jnp.float32), w.x_scale
-    x_amax = _observed(x, tensor)
+    x_amax = _observed(x)
   if entry is not None:
     xq = entry.gather(xq)
   out = _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype)
@@ -172,7 +171,7 @@ def _backward(spec, tensor, residuals, g):
     gq, g_scale = _quantize(g, E5M2)
     g_amax = None
   else:
-    gq, g_amax = fp8_ops.quantize(g, E5M2, g_scale, jnp.float32), _observed(g, tensor)
+    gq, g_amax = fp8_ops.quantize(g, E5M2, g_scale, jnp.float32), _observed(g)
   inputs, out = spec.split("->")
   x_axes, w_axes = inputs.split(",")
   dx = _fp8_einsum(f"{out},{w_axes}->{x_axes}", gq, wq, g_scale * w_scale, g.dtype)

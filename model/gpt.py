@@ -210,7 +210,7 @@ class GPT(nnx.Module):
       for name in KERNELS:
         w = fp8.cast_weights(params[name], (scales or {}).get(name))
         # A kernel may be stored split over `data` (train.shard_optimizer): its cast is
-        # gathered whole, in FP8.
+        # gathered whole, in FP8 (otherwise the constraint changes nothing).
         axes = getattr(self.layers, name).get_metadata()["axes"]
         params[name] = w._replace(cast=constrain(w.cast, axes))
     return params

@@ -79,7 +79,7 @@ class _Carry(NamedTuple):
   x: jax.Array  # the input of this trip's forward chunk [P, b, ...]
   g: jax.Array  # the output gradient of this trip's backward chunk [P, b, ...]
   slots: list  # forward residuals, each [P, slots + 1, ...]
-  grads: Any  # (weight gradients, scales' largest cotangents), as stacked [P, V C, ...]
+  grads: Any  # (weight gradients, the largest amaxes observed: scales' cotangents), [P, V C, ...]
   outs: jax.Array  # the current group's last-layer outputs [P, P + 1, b, ...] (rank P-1's)
   dys: jax.Array  # their loss gradients [P, P, b, ...] (for rank P-1)
   d_inputs: jax.Array  # input gradients by micro-batch [P, M + 1, b, ...] (rank 0's)
@@ -269,7 +269,7 @@ def run(
       first = row[B_CHUNK] * C
       dx, (dw, d_scales) = backward(kept, w, consts, first, g)
       # An idle trip recomputes its forward on stale data: its observations are dropped.
-      d_scales = jax.tree.map(lambda a: a * row[B_VALID].astype(a.dtype), d_scales)
+      d_scales = jax.tree.map(lambda a: jnp.where(row[B_VALID] == 1, a, 0), d_scales)
       grads = (
         jax.tree.map(lambda total, part: add_rows(total, part, first), grads[0], dw),
         jax.tree.map(lambda total, part: max_rows(total, part, first), grads[1], d_scales),

@@ -15,6 +15,7 @@ backward pass gets the mirror image. An FP8 matmul runs its entry's all-gather i
 on its E4M3 cast (`Tensor`, model/fp8.py): half the bytes of gathering bfloat16.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -32,13 +33,23 @@ class Tensor(NamedTuple):
   """The tensor-parallel group, for a matmul that runs its own collectives over it."""
 
   amax: Callable[[jax.Array], jax.Array]  # a shard's amax -> the amax of every shard
-  # A value equal on every rank -> that value on one rank and zero on the others: the
-  # cotangent of an input the ranks share is the sum of theirs.
-  report: Callable[[jax.Array], jax.Array]
   # At a region's entry (else None): a shard [b, T/t, ...] -> the whole [b, T, ...], and
   # its transpose, partial sums -> a shard's sum.
   gather: Callable[[jax.Array], jax.Array] | None
   scatter: Callable[[jax.Array], jax.Array] | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _per_rank(scale: jax.Array, ranks: int) -> jax.Array:
+  """A scale [] -> one copy per tensor rank [ranks]. The ranks' cotangents are amaxes
+  observed (FP8 delayed scaling, model/fp8.py), combined by their max. Passed as a
+  replicated input instead, the scale's cotangent would rest on how shard_map's transpose
+  treats an input the manual axis does not split."""
+  return jnp.broadcast_to(scale, (ranks,))
+
+
+_per_rank.defvjp(lambda scale, ranks: (_per_rank(scale, ranks), None),
+                 lambda ranks, _, cotangents: (jnp.max(cotangents),))
 
 
 def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -82,22 +93,24 @@ def matmul(
       y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
     ).astype(y.dtype)
 
-  def report(a):
-    return jnp.where(jax.lax.axis_index(TENSOR) == 0, a, jnp.zeros_like(a))
+  # w may carry its FP8 cast and per-tensor scales (model/fp8.py CastWeight): the cast is
+  # laid out like w; each scalar is a scale, given to every rank as its own copy.
+  scalars = jax.tree.map(lambda leaf: jnp.ndim(leaf) == 0, w)
+  ranks = mesh.shape[TENSOR]
 
   def local(x, w):
+    w = jax.tree.map(lambda leaf, scalar: leaf[0] if scalar else leaf, w, scalars)
     entry = x_axes[1] == SEQUENCE
     if tensor_in_fn:
       collectives = (all_gather, reduce_scatter) if entry else (None, None)
-      y = fn(spec, x, w, tensor=Tensor(lambda a: jax.lax.pmax(a, TENSOR), report, *collectives))
+      y = fn(spec, x, w, tensor=Tensor(lambda a: jax.lax.pmax(a, TENSOR), *collectives))
     else:
       y = fn(spec, all_gather(x) if entry else x, w)
     return reduce_scatter(y) if out_axes[1] == SEQUENCE else y
 
   x_spec, w_spec, out_spec = (_tensor_only(a) for a in (x_axes, w_axes, out_axes))
-  # w may carry its FP8 cast and per-tensor scales (model/fp8.py CastWeight): the cast is
-  # laid out like w, the scales are scalars.
-  w_specs = jax.tree.map(lambda leaf: w_spec if jnp.ndim(leaf) else PartitionSpec(), w)
+  w = jax.tree.map(lambda leaf, scalar: _per_rank(leaf, ranks) if scalar else leaf, w, scalars)
+  w_specs = jax.tree.map(lambda scalar: PartitionSpec(TENSOR) if scalar else w_spec, scalars)
   # Under the pipeline's vmaps (spmd_axis_name `pipeline` and `data`) those axes must be
   # manual here too; elsewhere they stay automatic (an unused manual axis would get
   # no-op all-reduces over one-device groups in the backward pass).

@@ -14,10 +14,10 @@ For one experiment on N GPUs of one generation:
    candidate that survives would compile: `project.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
    micro-batches per pass for interleaving, in groups of the stages for 1f1b; FP8 delayed
-   scaling only under 1f1b), and `train_step.build` on an abstract mesh (heads, MLP width and vocabulary over tensor,
-   sequence parallelism). The reason recorded is
-   the field the first failing check names. A candidate whose parameters and optimizer
-   state alone (exact, from their shardings) exceed the GPU's HBM is pruned too.
+   scaling only under 1f1b), and `train_step.build` on an abstract mesh (heads, MLP width
+   and vocabulary over tensor, sequence parallelism). The reason recorded is the field
+   the first failing check names. A candidate whose parameters and optimizer state alone
+   (exact, from their shardings) exceed the GPU's HBM is pruned too.
 3. Order the rest by a cheap analytic prior (`Prior`): first those estimated to fit,
    then by estimated step time.
 4. Project candidates in that order (`project.project_on`, whose compiles are cached)
@@ -50,7 +50,7 @@ DEFAULT_BUDGET = 12
 # fewer fill and drain trips (time); pipeline.check drops those that do not divide.
 PIPELINE_PASSES = (1, 2, 4, 8, 16)
 STATE_REASON = "memory: parameters and optimizer state over HBM"
-_FIELD = re.compile(r"\b(?:model|mesh|train)\.[a-z_]+")
+_FIELD = re.compile(r"\b(?:model|mesh|train)\.[a-z0-9_]+")
 
 
 @dataclasses.dataclass(frozen=True)

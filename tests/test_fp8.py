@@ -13,7 +13,7 @@ from errors import UserInputError
 from model import fp8
 from model.config import ModelConfig
 from model.gpt import GPT, KERNELS
-from parallelism import pipeline
+from parallelism import pipeline, rules, sequence
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from train import data
 from train import step as train_step
@@ -58,6 +58,38 @@ def test_delayed_scaling_casts_with_the_given_scales_and_returns_the_amaxes():
   assert np.abs(np.asarray(delayed(x, w, 3 * x_scale, g_scale) - y)).max() > 1e-3
 
 
+@pytest.mark.parametrize("entry", [True, False], ids=["entry", "exit"])
+def test_sequence_parallel_matmul_observes_the_amax_of_every_shard(entry):
+  # Inside sequence parallelism's shard_map each tensor rank sees a shard (at an entry, of
+  # the input; everywhere, of the output gradient); the scales' cotangents are still the
+  # whole tensors' amaxes, also per replica under the pipelined step's vmap over data.
+  # (Summing the ranks' observations instead of keeping the largest nearly doubles them.)
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (4, 16, 32)) * 3
+  w = jax.random.normal(keys[1], (32, 64)) * 0.02
+  g = jax.random.normal(keys[2], (4, 16, 64)) * 1e-3
+  x_axes = ("batch", "act_seq" if entry else "length", "act_embed")
+
+  def scale_cotangents(x, g):
+    def product(x, x_scale, g_scale):
+      stack = fp8.cast_weights(w[None], (x_scale[None], g_scale[None]))  # one layer
+      return sequence.matmul(fp8.einsum, "btd,df->btf", x, jax.tree.map(lambda a: a[0], stack),
+                             x_axes, ("embed", "mlp"), ("batch", "length", "act_mlp"),
+                             tensor_in_fn=True)
+    _, vjp = jax.vjp(product, x, jnp.float32(0.01), jnp.float32(1e-8))
+    return vjp(g)[1:]
+
+  mesh = build_mesh(plan(MeshConfig(data=2, tensor=2), 4), jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    whole = jax.jit(scale_cotangents)(x, g)
+    with rules.vmapped("data"):
+      replicas = jax.jit(jax.vmap(scale_cotangents, spmd_axis_name="data"))(
+        x.reshape(2, 2, *x.shape[1:]), g.reshape(2, 2, *g.shape[1:]))
+  amax = lambda a: np.abs(np.asarray(a)).reshape(2, -1).max(axis=1)  # per half of the batch
+  np.testing.assert_allclose(whole, (amax(x).max(), amax(g).max()), rtol=1e-6)
+  np.testing.assert_allclose(replicas, (amax(x), amax(g)), rtol=1e-6)
+
+
 def test_delayed_scaling_trains_like_bf16_once_its_history_fills():
   # The bounds of tests/test_pipeline.py's FP8-against-bf16 check, after one pass has
   # filled the history (the first casts at scale 1, as Transformer Engine's first step).
@@ -100,6 +132,11 @@ def _first_steps(mesh_cfg: MeshConfig, devices: int, train: TrainConfig, model: 
   state = program.init()
   fc1 = np.asarray(state.params["layers"]["fc1_kernel"][...])
   state, first = program.step(state, batch)
+  for history in state.fp8_history.values():  # replicated: every device holds the same
+    shards = [np.asarray(shard.data) for shard in history[...].addressable_shards]
+    starts = [shard.index for shard in history[...].addressable_shards]
+    for shard, start in zip(shards, starts):
+      np.testing.assert_array_equal(shard, np.asarray(history[...])[start])
   newest = {name: np.asarray(h[...])[..., 0] for name, h in state.fp8_history.items()}
   if mesh_cfg.pipeline > 1:
     newest = {name: np.asarray(pipeline.model_order(h, mesh_cfg.pipeline, train.virtual_stages))
@@ -133,6 +170,16 @@ def test_one_f_one_b_records_the_largest_amax_over_micro_batches_replicas_and_sh
   np.testing.assert_allclose(split_losses, losses_8, rtol=1e-6)
   assert np.abs(change).max() > 1e-3
   np.testing.assert_allclose(split_change, change, rtol=1e-5, atol=1e-7)
+
+
+def test_tensor_parallel_step_records_the_amax_of_every_shard():
+  # Unpipelined, data 4 x tensor 2 with sequence parallelism: each FP8 matmul runs on a
+  # shard inside a shard_map over `tensor`, and the amaxes recorded are the whole batch's.
+  model = dataclasses.replace(MODEL, sequence_parallel=True)
+  _, one, _ = _first_steps(MeshConfig(data=1), 1, TRAIN, model)
+  _, eight, _ = _first_steps(MeshConfig(data=4, tensor=2), 8, TRAIN, model)
+  for name in KERNELS:
+    np.testing.assert_allclose(eight[name], one[name], rtol=1e-4, err_msg=name)
 
 
 def test_accumulated_micro_batches_record_their_largest_amax():

@@ -102,6 +102,20 @@ def test_enumeration_and_pruning_follow_the_shape_rules():
   assert bubbles[(1, 1, 1)] == 0
 
 
+def test_delayed_fp8_scaling_prunes_the_lockstep_schedules():
+  # Pipelined delayed scaling runs only under 1f1b (train/step.py check_fp8_schedule): the
+  # lockstep candidates that were valid are pruned under its field (with others that a
+  # later check would have pruned), the rest stay.
+  delayed = dataclasses.replace(
+    SMALL, model=dataclasses.replace(SMALL.model, fp8=True, fp8_amax_history=16))
+  before = {c for c, _, _ in search.rank(SMALL, H100, 8).survivors}
+  ranking = search.rank(delayed, H100, 8)
+  after = {c for c, _, _ in ranking.survivors}
+  lockstep = {c for c in before if c.pipeline_parallel > 1 and not c.one_f_one_b}
+  assert lockstep and after == before - lockstep
+  assert ranking.pruned["model.fp8_amax_history"] >= len(lockstep)
+
+
 def test_state_over_hbm_is_pruned():
   # HBM for a third of the unsharded parameters and optimizer state: only layouts that
   # split the layers 4 ways hold them (the embeddings are not split over the pipeline).
