@@ -58,19 +58,19 @@ def _scale(amax: jax.Array, dtype) -> jax.Array:
   return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
 
 
+def _amax(x: jax.Array) -> jax.Array:
+  """x's largest magnitude, float32. Under delayed scaling it is also what a cast records,
+  as the cotangent of its scale; in a tensor-parallel group x may be a shard, and
+  parallelism/sequence.py keeps the largest of the ranks' cotangents."""
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
 def _quantize(x: jax.Array, dtype, tensor: Tensor | None = None) -> tuple[jax.Array, jax.Array]:
   """x as `dtype` and the float32 scale that restores it (x ~= q * scale); with a
   tensor-parallel group, x is a shard, scaled by the amax of every shard."""
-  amax = jnp.max(jnp.abs(x))
+  amax = _amax(x)
   scale = _scale(tensor.amax(amax) if tensor else amax, dtype)
   return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
-
-
-def _observed(x: jax.Array) -> jax.Array:
-  """The amax of x to record (delayed scaling), as the cotangent of its scale. In a
-  tensor-parallel group x may be a shard: parallelism/sequence.py keeps the largest of
-  the ranks' cotangents."""
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 class CastWeight(NamedTuple):
@@ -158,7 +158,7 @@ def _forward(spec, tensor, x, w):
     x_amax = None
   else:
     xq, x_scale = fp8_ops.quantize(x, E4M3, w.x_scale, jnp.float32), w.x_scale
-    x_amax = _observed(x)
+    x_amax = _amax(x)
   if entry is not None:
     xq = entry.gather(xq)
   out = _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype)
@@ -171,7 +171,7 @@ def _backward(spec, tensor, residuals, g):
     gq, g_scale = _quantize(g, E5M2)
     g_amax = None
   else:
-    gq, g_amax = fp8_ops.quantize(g, E5M2, g_scale, jnp.float32), _observed(g)
+    gq, g_amax = fp8_ops.quantize(g, E5M2, g_scale, jnp.float32), _amax(g)
   inputs, out = spec.split("->")
   x_axes, w_axes = inputs.split(",")
   dx = _fp8_einsum(f"{out},{w_axes}->{x_axes}", gq, wq, g_scale * w_scale, g.dtype)

@@ -164,7 +164,7 @@ def _from_last_rank(slots: jax.Array, activation_axes: Sequence[str | None]) -> 
     return slots[-1]
   spec = PartitionSpec(MESH_AXIS, None, *rules.spec(activation_axes))
   manual = {MESH_AXIS} | rules.vmapped_axes() | {
-    a for part in spec[2:] if part for a in ((part,) if isinstance(part, str) else part)}
+    a for name in activation_axes if name for a in rules.mesh_axes_of(name)}
 
   def local(own):  # own [1, P, ...]: this rank's shard of its slots
     # Slot i of every rank to rank i: [P (source rank), ...], of which rank P-1's is kept.
