@@ -1,4 +1,10 @@
-"""Collective cost model against published NCCL measurements (hardware.md)."""
+"""Collective cost model against published NCCL measurements (docs/sources/hardware.md).
+
+The cost model is Python float arithmetic, the same on any machine. Ranges and rel= bounds
+against a published measurement are the model's agreement with it (the source is named
+beside each); pytest.approx's default (1e-6 relative) checks identities of the formulas,
+up to float rounding.
+"""
 
 import dataclasses
 

@@ -21,14 +21,15 @@ def test_175b_parameter_count_from_abstract_shapes():
   abstract = nnx.state(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
   counted = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
   assert counted == param_count(cfg)
+  # Brown et al. round to 175.0B; 0.5% is that rounding (the count itself is exact).
   assert abs(counted / 174.6e9 - 1) < 0.005, counted
 
 
 def test_175b_step_compiles_on_a_64_device_mesh():
   # 64 host devices need their own process: XLA fixes the device count at start-up.
+  # (The timeout only stops a hung compile; compile speed is benchmarks/' business.)
   script = textwrap.dedent("""
       import dataclasses
-      import time
       import platform_env
       platform_env.configure(host_devices=64)
       from model.config import preset
@@ -38,10 +39,9 @@ def test_175b_step_compiles_on_a_64_device_mesh():
       layout = plan(MeshConfig(data=1, fsdp=8, tensor=8, devices_per_node=8), 64)
       model = dataclasses.replace(preset("gpt3-175b"), remat="full")
       program = step.build(model, TrainConfig(global_batch=64), build_mesh(layout))
-      start = time.perf_counter()
       compiled = program.lower(64, 2048).compile()
-      print("compile_s", time.perf_counter() - start)
       print("tensor_nvlink", layout.nvlink["tensor"])
+      print("flops_positive", compiled.cost_analysis()["flops"] > 0)
   """)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
@@ -49,4 +49,4 @@ def test_175b_step_compiles_on_a_64_device_mesh():
   assert out.returncode == 0, out.stderr[-3000:]
   values = dict(line.split() for line in out.stdout.splitlines())
   assert values["tensor_nvlink"] == "8"
-  assert float(values["compile_s"]) < 60
+  assert values["flops_positive"] == "True"
