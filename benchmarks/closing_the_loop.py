@@ -4,15 +4,16 @@ For small GPT configurations on 1, 2, 4 and 8 emulated CPU devices (data, fsdp a
 tensor meshes) this measures the train step with the project's own code (the steps of
 `launch.py --mode=benchmark`: parallelism/mesh.py, train/step.py, train/loop.py) and
 projects it with the `host` profile for that many active devices (projection/project.py,
-hardware/host.py: `launch.py --mode=project --hardware=host --gpus=N`), then prints
-measured median, projected time and error for each.
+hardware/host_programs.py, projection/host_calibration.py: `launch.py --mode=project
+--hardware=host --gpus=N`), then prints measured median, projected time and error for
+each.
 
   python benchmarks/closing_the_loop.py             # every configuration, ~5-10 minutes
   python benchmarks/closing_the_loop.py --only=fsdp --cached
 
 The host profile of each configuration is measured alongside its steps, in the same
-process: one round of the profile's micro-benchmarks (hardware/host.py's `Profiler`, a
-train/loop.py step hook) before every step, outside the step's clock, and the medians of
+process: one round of the profile's micro-benchmarks (projection/host_calibration.py's
+`Profiler`, a train/loop.py step hook) before every step, outside the step's clock, and the medians of
 both. Load from other processes on the shared cores then falls on the profile and the
 steps alike, instead of on whichever ran when the machine was busier. Each profile is
 stored in the cache (~/.cache/jax-scaling/host_profile.json or
@@ -39,11 +40,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import experiments  # noqa: E402
-from hardware import host  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
 from parallelism import mesh as mesh_lib  # noqa: E402
 from parallelism.mesh import MeshConfig  # noqa: E402
-from projection import project  # noqa: E402
+from projection import host_calibration, project  # noqa: E402
 from train import loop  # noqa: E402
 from train import step as train_step  # noqa: E402
 
@@ -108,7 +108,7 @@ def measure(exp: experiments.ExperimentConfig, devices: int, hooks=()) -> list[f
 
 
 def compare(
-  point: Point, steps: int = 10, profiler: host.Profiler | None = None, cached: bool = False
+  point: Point, steps: int = 10, profiler: host_calibration.Profiler | None = None, cached: bool = False
 ) -> Result:
   """Measure the point's steps and project them. The host profile is measured alongside
   the steps (a profile round before each, outside its clock: other processes' load falls
@@ -118,7 +118,7 @@ def compare(
     times = measure(exp, point.devices)
     hw = project.hardware("host", point.devices)
   else:
-    profiler = profiler or host.Profiler(point.devices)
+    profiler = profiler or host_calibration.Profiler(point.devices)
     profiler.reset()
     times = measure(exp, point.devices, hooks=[profiler])
     hw = profiler.hardware()
@@ -179,7 +179,7 @@ def main() -> None:
   results, profiler = [], None
   for point in sorted(points, key=lambda p: p.devices):
     if not args.cached and (profiler is None or profiler.devices != point.devices):
-      profiler = host.Profiler(point.devices)  # compiled once per active-device count
+      profiler = host_calibration.Profiler(point.devices)  # compiled once per active-device count
     results.append(compare(point, args.steps, profiler, args.cached))
     print(
       f"  {point.name}: measured {results[-1].measured_s:.4f} s, "

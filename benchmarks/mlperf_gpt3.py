@@ -1,6 +1,6 @@
 """MLPerf GPT-3 175B: the calibration points, and the H200 question across generations.
 
-  1. Calibration: the two published H100 results (mlperf-gpt3.md), each projected in its
+  1. Calibration: the two published H100 results (reference/mlperf_gpt3.py), each projected in its
      own published configuration (pipeline 8, interleaved 1F1B, tensor 4 with sequence
      parallelism, FP8, cuDNN flash attention): 10,752 H100 (3.92 min) and 512 H100
      (49.80 min).
@@ -40,12 +40,16 @@ platform_env.configure(host_devices=8)
 import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
+from hardware import catalog  # noqa: E402
 from projection import cost_model, hlo, project  # noqa: E402
+from reference import mlperf_gpt3  # noqa: E402
 from report import table  # noqa: E402
 
-# mlperf-gpt3.md "Calibration points": (variant, GPUs, published minutes).
-CALIBRATION = (("eos_10752", 10752, 3.92), ("eos_512", 512, 49.80))
-GENERATIONS = ("h100", "h200", "b200", "gb200", "gb300")
+# The published calibration points: (variant, GPUs, published minutes).
+_EOS_MINUTES = {gpus: min_ for label, _, gpus, min_ in mlperf_gpt3.RESULTS if "NVIDIA Eos" in label}
+CALIBRATION = (("eos_10752", 10752, _EOS_MINUTES[10752]), ("eos_512", 512, _EOS_MINUTES[512]))
+# The generations with FP8, which the benchmark trains in.
+GENERATIONS = tuple(name for name in catalog.names() if catalog.get(name).peak_fp8_tflops)
 
 
 def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
@@ -89,10 +93,6 @@ def analyse(exp, hw_name: str, gpus: int) -> dict:
     "memory_bound": memory_bound_by_kind(program, hw),
     "seconds": time.perf_counter() - start,
   }
-
-
-def mlperf_benchmark():
-  return experiments.load("mlperf_gpt3_175b").benchmark
 
 
 def _row(label: str, result: dict) -> tuple:

@@ -29,10 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from hardware import catalog  # noqa: E402 (imports no jax)
+
 # projection/project.py's KERNEL_CACHE_ENV, named here so that the script imports no jax
 # before platform_env has configured it.
 KERNEL_CACHE_ENV = "JAX_SCALING_KERNEL_CACHE"
-HARDWARE = ("a100", "h100", "h200", "b200", "gb200", "gb300")
+HARDWARE = tuple(catalog.names())
 # Every count leaves data >= 2 (64 GPUs per model replica) and divides the 1,536-sequence
 # batch, so each generation compiles once (data = 1, at 64 GPUs, would compile again).
 GPU_COUNTS = (128, 256, 512, 768, 1024, 1536, 2048, 3072)

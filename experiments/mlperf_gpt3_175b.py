@@ -1,9 +1,11 @@
 """The MLPerf Training GPT-3 175B benchmark: train from a fixed checkpoint to a validation
 log perplexity of 2.69; the score is the wall-clock time (evaluation included).
 
-Facts are from /work/shared/reference/mlperf-gpt3.md (mlcommons/training gpt3 READMEs,
-training_policies, training_results_v3.1 / v4.1 result logs) unless a comment says
-otherwise. The published H100 configurations are named variants; a projection on a GPU
+Facts are from the benchmark's reference implementation, rules and published result logs
+(github.com/mlcommons/training retired_benchmarks/gpt3, mlcommons/training_policies,
+mlcommons/training_results_v3.1 and v4.1; summarised in docs/sources/mlperf-gpt3.md)
+unless a comment says otherwise; the published definition and results themselves are in
+reference/mlperf_gpt3.py. The published H100 configurations are named variants; a projection on a GPU
 count that matches one uses it by default:
 
   python launch.py --mode=project --experiment=mlperf_gpt3_175b --hardware=h100 --gpus=512
@@ -18,41 +20,26 @@ from experiments import ExperimentConfig
 from experiments._time_to_train import TimeToTrain
 from model.config import preset
 from parallelism.mesh import MeshConfig
+from reference import mlperf_gpt3
 from train.config import TrainConfig
-
-SEQ_LEN = 2048
-# mlperf-gpt3.md "Definition": evaluation every 24,576 sequences (50,331,648 tokens).
-EVAL_INTERVAL_SEQUENCES = 24_576
-# The validation set: 5,662 sequences of 2,048 tokens. Not in mlperf-gpt3.md; NVIDIA's
-# v4.1 NeMo configuration limits a proxy run's validation to ceil(5662 / GBS) batches,
-# i.e. the whole set (mlcommons training_results_v4.1, NVIDIA/benchmarks/gpt3/
-# implementations/eos_n32_ngc24.09_nemo/conf/custom.yaml, limit_val_batches).
-EVAL_SEQUENCES = 5_662
-
-# mlperf-gpt3.md "Tokens needed to reach the target": steps at run stop by global batch.
-# Where the logs give a range, its midpoint rounded down to a whole evaluation interval
-# (a run stops at an evaluation): 1536 368-400 -> 384; 3072 192-216 -> 200; 4096
-# 150-162 -> 156; 6144 112-116 -> 112. 2048 "usually 288", 2688 220 and 2904 207 as
-# published (each a whole number of intervals: 24 x 12, 22 x 10, 23 x 9).
-STEPS_TO_CONVERGE = {1536: 384, 2048: 288, 2688: 220, 2904: 207, 3072: 200, 4096: 156, 6144: 112}
 
 BENCHMARK = TimeToTrain(
   name="mlperf_gpt3_175b",
-  seq_len=SEQ_LEN,
-  eval_interval_sequences=EVAL_INTERVAL_SEQUENCES,
-  eval_sequences=EVAL_SEQUENCES,
-  steps_by_global_batch=STEPS_TO_CONVERGE,
+  seq_len=mlperf_gpt3.SEQ_LEN,
+  eval_interval_sequences=mlperf_gpt3.EVAL_INTERVAL_SEQUENCES,
+  eval_sequences=mlperf_gpt3.EVAL_SEQUENCES,
+  steps_by_global_batch=mlperf_gpt3.STEPS_TO_CONVERGE,
 )
 
 
 def learning_rate(global_batch: int) -> float:
-  """mlperf-gpt3.md: 2e-5 for global batch 1,536-3,072, 3e-5 for 4,096-8,192 (NVIDIA's
-  NeMo configuration switches at 3,600, custom.yaml above; used for batches between)."""
+  """The benchmark's rule: 2e-5 for global batch 1,536-3,072, 3e-5 for 4,096-8,192 (NVIDIA's
+  v4.1 NeMo configuration, conf/custom.yaml, switches at 3,600; used for batches between)."""
   return 2e-5 if global_batch < 3600 else 3e-5
 
 
 def train_config(global_batch: int, micro_batch: int) -> TrainConfig:
-  """The benchmark's optimizer and schedule for a global batch (mlperf-gpt3.md): Adam 0.9 /
+  """The benchmark's optimizer and schedule for a global batch (its rules): Adam 0.9 /
   0.95, eps 1e-8, weight decay 0.1, clip 1.0; warm-up ceil(265 x 1536 / GBS) steps, cosine
   decay to 10% of the base rate at ceil(108600 x 1536 / GBS) steps."""
   return TrainConfig(
@@ -71,21 +58,22 @@ def train_config(global_batch: int, micro_batch: int) -> TrainConfig:
   )
 
 
-# 96 layers, 96 heads, d_model 12288, vocabulary 50,257, sequence 2048 (mlperf-gpt3.md).
+# 96 layers, 96 heads, d_model 12288, vocabulary 50,257, sequence 2048 (the benchmark's
+# definition).
 # Parameters and Adam moments in bf16, the moments split over the data-parallel ranks
 # (train.shard_optimizer): the published runs keep fp32 master weights and moments, split
 # the same way (Megatron's distributed optimizer); this codebase keeps no separate master
 # copy, and bf16 is the nearest fit. Attention is cuDNN's fused flash attention, as the
-# published runs' Transformer Engine uses (mlperf-gpt3.md: "FP8 (Transformer Engine)").
+# published runs' Transformer Engine uses (their result logs: "FP8 (Transformer Engine)").
 # No matmul is recomputed (the published 512-GPU configuration sets no activation
 # checkpointing: NVIDIA's v4.1 NeMo config), and the saved activations are Megatron's
 # with sequence parallelism (Korthikanti et al. 2022): QKV, attention and fc1 outputs
 # and the residual stream, the LayerNorms' all-gathers redone in the backward pass
 # (remat "elementwise"; "none" would keep every dot output, the all-gathered full-sequence
 # ones included). FP8 is scaled by delay, Transformer Engine's recipe ("FP8 (Transformer
-# Engine)" in mlperf-gpt3.md): each cast's scale from the largest amax of the last 1,024
+# Engine)" in the result logs): each cast's scale from the largest amax of the last 1,024
 # steps, TE's DelayedScaling defaults (amax_history_len 1024, amax_compute_algo "max";
-# the published runs' own FP8 settings are not in the reference file).
+# the published runs' own FP8 settings are not published).
 MODEL = dataclasses.replace(
   preset("gpt3-175b"),
   param_dtype="bfloat16",
@@ -126,18 +114,17 @@ def _published(
   )
 
 
-# mlperf-gpt3.md "Calibration points". Calibration (benchmarks/mlperf_gpt3.py, README
-# "Calibration: within 15%"): no efficiency parameter of hardware/catalog.py is fitted to
-# these points. The published step is about 0.97 s at 10,752 GPUs and 9.6 s at 512 (3.92
-# and 49.80 min over 220 + 22 and 288 + 24 step-equivalents of training and evaluation);
-# the projection's FLOP-bound work at the catalog's measured FP8 rate is 0.43 and 6.5 s of
-# it, as the model's FLOPs say it should be. The projected steps (1.104 and 10.83 s: +12.8%
-# and +12.9% time to train, 31 and 63 GB) hold more: work the published runs fuse or
-# hide (weight gradients added into the stage's stack every trip, FP8 casts and
-# transposes in kernels of their own, weight slices copied every trip) and collectives
-# the loops leave exposed (the data-parallel reduction after the drain, most of it at
-# 10,752). None of it is a hardware figure, so fitting an HBM or matmul efficiency would
-# only absorb the program's overheads into the figures every projection uses.
+# The published calibration points (reference/mlperf_gpt3.py RESULTS; docs/validation.md).
+# No efficiency parameter of hardware/catalog.py is fitted to them. The published step is
+# about 0.97 s at 10,752 GPUs and 9.6 s at 512 (3.92 and 49.80 min over 220 + 22 and 288 +
+# 24 step-equivalents of training and evaluation); the projection's FLOP-bound work at the
+# catalog's measured FP8 rate is 0.43 and 6.5 s of it, as the model's FLOPs say it should
+# be. The projected steps hold more: work the published runs fuse or hide (weight
+# gradients added into the stage's stack every trip, FP8 casts and transposes in kernels
+# of their own, weight slices copied every trip) and collectives the loops leave exposed
+# (the data-parallel reduction after the drain, most of it at 10,752). None of it is a
+# hardware figure, so fitting an HBM or matmul efficiency would only absorb the program's
+# overheads into the figures every projection uses.
 PUBLISHED = {
   "eos_10752": (10752, _published("eos_10752", 10752, 4, 8, 12, 1, 2688, "v3.1, 3.92 min")),
   "eos_512": (512, _published("eos_512", 512, 4, 8, 6, 2, 2048, "v4.1, 49.80 min")),

@@ -2,9 +2,11 @@
 
 Every figure carries its source in the entry's `sources` mapping (field name -> text).
 Peak figures are what MFU is quoted against; "achievable" figures are what others
-measured and what the cost model is calibrated against. Facts come from
-/work/shared/reference/hardware.md unless the source text says otherwise; figures we
-derived or estimated say so.
+measured and what the cost model is calibrated against. Facts come from the public
+sources summarised in docs/sources/hardware.md (abbreviated "hardware.md" in the source
+texts: NVIDIA datasheets, stas00/ml-engineering, NVIDIA/nccl-tests issues, NCCL's tuning
+model, MLPerf Training system descriptions) unless the source text says otherwise;
+figures we derived or estimated say so.
 
 A new GPU is one new `Hardware(...)` entry in `_CATALOG`; no code changes.
 
@@ -300,7 +302,7 @@ _CATALOG: tuple[Hardware, ...] = (
     **_WITH_NVLS,
     sources=_common_sources(
       hbm_gib="XLA-reported device_memory_size 84942979072 B "
-      "(/work/shared/reference/gpu_target_h100.txtpb)",
+      "(hardware/targets/h100.txtpb)",
       allreduce_ring_busbw_gb_s="hardware.md: ~370 GB/s ring, 8 GPUs (nccl-tests issues)",
       allreduce_nvls_busbw_gb_s="hardware.md: ~480 GB/s with NVLS, 8 GPUs",
     ),
@@ -430,22 +432,18 @@ _BY_NAME: dict[str, Hardware] = {hw.name: hw for hw in _CATALOG}
 
 
 def names() -> list[str]:
-  """Names of the GPU entries, in catalog order (oldest first). 'host' is not listed:
-  `get('host')` measures this machine instead (see hardware/host.py)."""
+  """Names of the GPU entries, in catalog order (oldest first): the one list of them.
+  This machine's measured profile ('host') is not an entry: projection/host_calibration.py
+  makes it."""
   return [hw.name for hw in _CATALOG]
 
 
-def get(name: str, devices: int = 1) -> Hardware:
-  """The entry called `name` (case-insensitive); 'host' returns this machine's profile
-  for a run on `devices` of its CPU devices (GPU entries do not depend on it)."""
+def get(name: str) -> Hardware:
+  """The entry called `name` (case-insensitive)."""
   key = name.strip().lower()
-  if key in _BY_NAME:
-    return _BY_NAME[key]
-  if key == "host":
-    from hardware.host import host_profile  # lazy: imports jax, may benchmark
-
-    return host_profile(devices=devices)
-  raise ValueError(f"unknown hardware {name!r}; known: {', '.join(names() + ['host'])}")
+  if key not in _BY_NAME:
+    raise ValueError(f"unknown hardware {name!r}; known: {', '.join(names())}")
+  return _BY_NAME[key]
 
 
 def missing_sources(hw: Hardware) -> list[str]:

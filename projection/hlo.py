@@ -628,12 +628,6 @@ def dot_flops(program: Program | Iterable[Node]) -> float:
   return sum(n.dot_flops * m for n, m in walk(program) if isinstance(n, Compute))
 
 
-def total_bytes(program: Program | Iterable[Node]) -> float:
-  """HBM bytes read plus written by compute nodes."""
-  return sum((n.bytes_read + n.bytes_written) * m
-             for n, m in walk(program) if isinstance(n, Compute))
-
-
 def collectives(program: Program | Iterable[Node]) -> Iterator[tuple[Collective, int]]:
   """Each collective with its multiplicity (how many times it runs per step)."""
   return ((n, m) for n, m in walk(program) if isinstance(n, Collective))

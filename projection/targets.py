@@ -27,8 +27,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from hardware import catalog
+
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "hardware" / "targets"
-HARDWARE = ("a100", "h100", "h200", "b200", "gb200", "gb300")
+HARDWARE = tuple(catalog.names())  # one target file each
 
 
 def target_config(hardware: str) -> str:
@@ -42,7 +44,11 @@ def target_config(hardware: str) -> str:
 @functools.lru_cache(maxsize=None)
 def cuda_available() -> tuple[bool, str]:
   """(True, "") if deviceless CUDA compiles can be made here, else (False, one-line reason)."""
-  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+  try:
+    plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
+  except ModuleNotFoundError:  # no jax_plugins package: no CUDA plugin of any version
+    plugin = None
+  if plugin is None:
     return False, "jax-cuda12-plugin is not installed (pip install jax-cuda12-plugin)"
   try:
     target_devices("h100", 1, 1)

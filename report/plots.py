@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from sweep.definitions import MLPERF_GPT3_RESULTS
+from reference import mlperf_gpt3
 
 _COLOURS = {
   "a100": "tab:gray",
@@ -137,7 +137,7 @@ def time_to_train(records: list[dict], path: str) -> str | None:
     )
   extra, lowest = [], min(r["time_to_train_min"] for r in ok)
   if ok[0]["sweep_mode"] == "project":
-    for i, (label, hardware, gpus, minutes) in enumerate(MLPERF_GPT3_RESULTS):
+    for i, (label, hardware, gpus, minutes) in enumerate(mlperf_gpt3.RESULTS):
       ax.plot(
         gpus,
         minutes,

@@ -4,7 +4,7 @@ and every point's row."""
 import os
 import statistics
 
-from sweep.definitions import MLPERF_GPT3_RESULTS
+from reference import mlperf_gpt3
 
 _PLOT_TITLES = {
   "scaling_efficiency": "Scaling efficiency against device count",
@@ -88,7 +88,7 @@ def _time_to_train_sentence(records: list[dict]) -> list[str]:
     f"({best['hardware'].upper()} x {best['devices']:,}, {best['scaling']} scaling)."
   ]
   compared = set()
-  for label, hardware, gpus, minutes in MLPERF_GPT3_RESULTS:
+  for label, hardware, gpus, minutes in mlperf_gpt3.RESULTS:
     same = [r for r in ok if r["hardware"] == hardware and r["devices"] == gpus]
     if same and ok[0]["sweep_mode"] == "project" and (hardware, gpus) not in compared:
       compared.add((hardware, gpus))

@@ -11,28 +11,22 @@ sets at each count (the MLPerf experiment's published configurations).
 import dataclasses
 
 from errors import UserInputError
+from hardware import catalog
+from reference import mlperf_gpt3
 
-GENERATIONS = ("a100", "h100", "h200", "b200", "gb200", "gb300")
 # Powers of two from one HGX node up, plus the GPU counts of published MLPerf GPT-3 runs:
-# 10,752 H100 (v3.1, ../shared/reference/mlperf-gpt3.md) and 11,616 H100 (NVIDIA's v4.0
-# submission, MLPerf Training v4.0 results, June 2024).
+# 10,752 H100 (MLPerf Training v3.1, Nov 2023: reference/mlperf_gpt3.py) and 11,616 H100
+# (NVIDIA's MLPerf Training v4.0 submission, June 2024; mlcommons/training_results_v4.0).
 GPU_COUNTS = tuple(sorted([2**k for k in range(3, 15)] + [10752, 11616]))
 # The device counts of this machine's measured sweeps (tests/conftest.py and launch.py
 # give a process 8 host CPU devices).
 HOST_DEVICE_COUNTS = (1, 2, 4, 8)
 
-# Tokens the MLPerf GPT-3 175B benchmark trains to reach its target at global batch 2,048:
-# 288 steps x 2,048 sequences x 2,048 tokens (../shared/reference/mlperf-gpt3.md, tallied
-# from the published result logs). Time to train is that budget over the throughput.
-MLPERF_GPT3_TOKENS = 288 * 2048 * 2048
+# Tokens the MLPerf GPT-3 175B benchmark trains to reach its target at global batch 2,048
+# (288 steps x 2,048 sequences x 2,048 tokens). Time to train is that budget over the
+# throughput.
+MLPERF_GPT3_TOKENS = 2048 * mlperf_gpt3.STEPS_TO_CONVERGE[2048] * mlperf_gpt3.SEQ_LEN
 
-# Published MLPerf Training GPT-3 175B results: (round and system, hardware, GPUs, minutes).
-# Source: ../shared/reference/mlperf-gpt3.md (mlcommons/training_results_v3.1 and v4.1).
-MLPERF_GPT3_RESULTS = (
-  ("v3.1 NVIDIA Eos", "h100", 10752, 3.92),
-  ("v3.1 Azure ND H100 v5", "h100", 10752, 4.01),
-  ("v4.1 NVIDIA Eos", "h100", 512, 49.80),
-)
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
@@ -53,7 +47,7 @@ class Sweep:
 _GPT3 = Sweep(
   mode="project",
   counts=GPU_COUNTS,
-  hardware=GENERATIONS,
+  hardware=tuple(catalog.names()),
   # 2 sequences per replica is MLPerf v3.1's global batch of 2,688 at 10,752 GPUs
   # (1,344 replicas of tensor 8); the strong series keeps the GPT-3 paper's 1,536.
   weak_sequences_per_replica=2,

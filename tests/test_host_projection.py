@@ -5,8 +5,8 @@ the 25% claim; this is a coarse guard that still fails if the projection is 2x o
 import pytest
 
 from benchmarks import closing_the_loop
-from hardware import catalog, host
-from projection import project
+from hardware import host
+from projection import host_calibration, project
 
 # One mesh with collectives (fsdp: gathers and reductions every layer) on two devices: each
 # point compiles its train step twice (measured and projected), the cost of this test.
@@ -25,7 +25,7 @@ def profiler(tmp_path_factory):
   path = tmp_path_factory.mktemp("host") / "host_profile.json"
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv(host.CACHE_ENV, str(path))
-    yield host.Profiler(2, quick=True)
+    yield host_calibration.Profiler(2, quick=True)
 
 
 @pytest.mark.parametrize("point", POINTS, ids=lambda p: p.name)
@@ -64,8 +64,8 @@ def _fake_measure(quick, devices):
 def test_profile_is_per_active_device_count(tmp_path, monkeypatch):
   """One cached profile per number of active devices, whatever the CPU device count."""
   monkeypatch.setenv(host.CACHE_ENV, str(tmp_path / "p.json"))
-  monkeypatch.setattr(host, "_measure", _fake_measure)
-  one, four = catalog.get("host", devices=1), catalog.get("host", devices=4)
+  monkeypatch.setattr(host_calibration, "_measure", _fake_measure)
+  one, four = project.hardware("host", 1), project.hardware("host", 4)
   assert "device_count" not in host.machine_identity()
   assert one.achievable_f32_tflops == pytest.approx(4 * four.achievable_f32_tflops)
   # launch.py's emulated nodes (half the devices each), all in one memory: one domain.
@@ -73,9 +73,9 @@ def test_profile_is_per_active_device_count(tmp_path, monkeypatch):
   assert (one.gpus_per_node, one.nvlink_domain_size) == (1, 1)
   assert four.protocols[0].base_us == pytest.approx(10.0)
   assert four.protocols[0].nvlink_hop_us == pytest.approx(5.0)
-  assert project.hardware("host", 4) == four  # the projection asks for its GPU count
-  monkeypatch.setattr(host, "_measure", None)  # both now come from the cache
-  assert catalog.get("host", devices=4) == four
+  assert host_calibration.host_profile(devices=4) == four  # the same cached profile
+  monkeypatch.setattr(host_calibration, "_measure", None)  # both now come from the cache
+  assert project.hardware("host", 4) == four
 
 
 def test_more_active_devices_than_exist_is_an_error(tmp_path):
@@ -83,4 +83,4 @@ def test_more_active_devices_than_exist_is_an_error(tmp_path):
 
   too_many = len(jax.devices("cpu")) + 1
   with pytest.raises(ValueError, match=f"needs {too_many} CPU devices"):
-    host.host_profile(devices=too_many, cache_path=tmp_path / "p.json", quick=True)
+    host_calibration.host_profile(devices=too_many, cache_path=tmp_path / "p.json", quick=True)
