@@ -8,10 +8,11 @@ remat, FP8) this
      (parallelism/mesh.py, train/step.py, train/loop.py): compile time, median step, MFU;
   2. projects the program compiled for this very device onto `--hardware` (h200 by
      default) with the projection's HLO reader and cost model (projection/hlo.py,
-     projection/cost_model.py, projection/project.py's layout and collective timer), as
-     the host projection does for CPU devices: no deviceless target is needed. The
-     step's text comes from compiling it once more, which JAX's compilation caches serve
-     (the executable the measurement ran; a persistent cache is set up if none is);
+     projection/cost_model.py, projection/project.py's layout and the collective timer of
+     projection/collective_timing.py), as the host projection does for CPU devices: no
+     deviceless target is needed. The step's text comes from compiling it once more,
+     which JAX's compilation caches serve (the executable the measurement ran; a
+     persistent cache is set up if none is);
   3. for one configuration (--trace), traces its last step with the JAX profiler
      (train/hooks.py's ProfileHook) and reads the time of every HLO op from the trace
      (jax.profiler.ProfileData over the .xplane.pb; the gzipped Chrome trace where that
@@ -66,7 +67,7 @@ from experiments import overrides  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
 from model.flops import param_count, train_flops_per_token  # noqa: E402
 from parallelism import mesh as mesh_lib  # noqa: E402
-from projection import cost_model, hlo, project  # noqa: E402
+from projection import collective_timing, cost_model, hlo, project  # noqa: E402
 from train import hooks as hooks_lib  # noqa: E402
 from train import loop  # noqa: E402
 from train import step as train_step  # noqa: E402
@@ -95,7 +96,7 @@ class Config:
 
 # GPT-3 sizes: Brown et al. 2020 (model/config.py). Each fits one 141 GB H200 with room
 # to spare under JAX's default 75% preallocation: compiled deviceless for H200
-# (projection/project.py compile_step) they take 43 (compute), 11 (memory), 53 (remat)
+# (projection/aot_compile.py compile_step) they take 43 (compute), 11 (memory), 53 (remat)
 # and 42 GB (fp8) per device; the fallbacks 40 and 39 GB.
 _XLA_ATTENTION = ("model.attention=xla", "train.global_batch=2")
 CONFIGS = (
@@ -217,7 +218,7 @@ def project_compiled(exp: experiments.ExperimentConfig, program: train_step.Trai
   # One GPU is a node of its own (the catalog's entries describe 8-GPU nodes); it has no
   # collectives, but the program is costed through the same layout and timer all the same.
   alone = dataclasses.replace(hw, gpus_per_node=1, nvlink_domain_size=1)
-  timer = project.collective_timer(project.plan(exp, alone, 1), alone)
+  timer = collective_timing.collective_timer(project.plan(exp, alone, 1), alone)
   cost = cost_model.simulate(analysis.entry, hw, timer)
   memory = compiled.memory_analysis()
   memory_gb = (memory.argument_size_in_bytes + memory.output_size_in_bytes

@@ -17,7 +17,7 @@ communication by mesh axis, and names the memory-bound work of the pipeline loop
 (`memory_bound_by_kind`).
 
 One deviceless compile of the 175B step per (configuration, generation): 10-30 s each
-on this 2-core machine with XLA's kernel cache warm (projection/project.py), longer on a
+on this 2-core machine with XLA's kernel cache warm (projection/kernel_cache.py), longer on a
 first run; the whole run took 2 min 44 s here.
 """
 
@@ -41,7 +41,8 @@ import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
 from hardware import catalog  # noqa: E402
-from projection import cost_model, hlo, project  # noqa: E402
+from projection import (  # noqa: E402
+  aot_compile, collective_timing, cost_model, hlo, project, step_loops)
 from reference import mlperf_gpt3  # noqa: E402
 from report import table  # noqa: E402
 
@@ -69,7 +70,7 @@ def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
           kind = node.op_name.rsplit("/", 1)[-1] or re.sub(r"[._]?\d+$", "", node.name)
           out[kind] = out.get(kind, 0.0) + times * byte_s
 
-  for loop, repeats in project.pipeline_passes(program):
+  for loop, repeats in step_loops.pipeline_passes(program):
     visit(loop.body, repeats * loop.trip_count)
   return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
@@ -82,9 +83,10 @@ def analyse(exp, hw_name: str, gpus: int) -> dict:
   unlimited = dataclasses.replace(hw, hbm_gib=1e9)
   reduced = project.plan(exp, hw, gpus)
   if_fit = project.project_on(exp, unlimited, reduced)
-  step, _ = project.compiled_program(exp, hw, reduced, project.collective_timer(reduced, hw))
+  timer = collective_timing.collective_timer(reduced, hw)
+  step, _ = aot_compile.compiled_program(exp, hw, reduced, timer)
   virtual = exp.train.virtual_stages if reduced.sizes.get("pipeline", 1) > 1 else 1
-  program = project.with_micro_batches(
+  program = step_loops.with_micro_batches(
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual
   )
   return {

@@ -1,7 +1,7 @@
 """How long projections of GPT-3 175B take on this machine.
 
   1. one point end to end, as a user runs it, in a fresh process, first with an empty
-     XLA kernel cache (projection/project.py keeps one between runs), then again with the
+     XLA kernel cache (projection/kernel_cache.py keeps one between runs), then again with the
      kernel cache the first run left:
        python launch.py --mode=project --experiment=gpt3 --hardware=h100 --gpus=512
   2. in this process, empty kernel cache: that point cold (compile included), the same
@@ -31,7 +31,7 @@ if ROOT not in sys.path:
 
 from hardware import catalog  # noqa: E402 (imports no jax)
 
-# projection/project.py's KERNEL_CACHE_ENV, named here so that the script imports no jax
+# projection/kernel_cache.py's KERNEL_CACHE_ENV, named here so that the script imports no jax
 # before platform_env has configured it.
 KERNEL_CACHE_ENV = "JAX_SCALING_KERNEL_CACHE"
 HARDWARE = tuple(catalog.names())
@@ -90,7 +90,7 @@ def main() -> None:
                  _launch("h100", "512", tmp, cache)))
     rows.append(("launch.py, the same point, fresh process, kernels cached by the run above",
                  _launch("h100", "512", tmp, cache)))
-  # This process saves its kernel cache at exit (projection/project.py), before this
+  # This process saves its kernel cache at exit (projection/kernel_cache.py), before this
   # directory is removed: atexit runs the last registered first.
   tmp = tempfile.mkdtemp()
   atexit.register(shutil.rmtree, tmp, ignore_errors=True)

@@ -27,7 +27,7 @@ class ExperimentConfig:
   # report time_to_train_min.
   benchmark: Any = None
   # Projections compile the step a second time with a latency profile of its own program
-  # on the target, as a tuned GPU run does (projection/project.py latency_profile): one
+  # on the target, as a tuned GPU run does (projection/aot_compile.py latency_profile): one
   # more compile per GPU count, and XLA overlaps collectives by their projected durations.
   latency_profile: bool = False
 

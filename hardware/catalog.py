@@ -10,6 +10,9 @@ figures we derived or estimated say so.
 
 A new GPU is one new `Hardware(...)` entry in `_CATALOG`; no code changes.
 
+The module is long because it is data: six entries of some twenty sourced figures each,
+kept beside the two types and the shared constants they are written in.
+
 Units are in the names: *_tflops (1e12 FLOP/s), *_gb_s (1e9 bytes/s), *_tb_s
 (1e12 bytes/s), *_gbit_s (1e9 bits/s), *_gib (2**30 bytes), *_us (microseconds).
 """

@@ -1,9 +1,10 @@
 """Program analysis of optimized (scheduled) XLA HLO text.
 
-`analyze(compiled.as_text())` turns the text of a compiled program into a `Program`: the
-entry computation's work in schedule order (the instruction order of a scheduled module is
-its execution order), with while loops kept as `Loop` nodes carrying their trip count so a
-cost model can multiply. XLA's own `cost_analysis()` counts a loop body once; this does not.
+`analyze(compiled.as_text())` reads the module's text (projection/hlo_text.py) and turns
+it into a `Program`: the entry computation's work in schedule order (the instruction order
+of a scheduled module is its execution order), with while loops kept as `Loop` nodes
+carrying their trip count so a cost model can multiply. XLA's own `cost_analysis()` counts
+a loop body once; this does not.
 
 Conventions (per device, since an SPMD program is one device's program):
   FLOPs  dot: 2 * (product of output dims, batch dims included) * (product of lhs
@@ -35,18 +36,15 @@ branch with the most FLOPs (an upper bound). A while condition is not costed.
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Union
 
-import numpy as np
+from projection import hlo_text
+from projection.hlo_text import (Computation, Groups, Instr, arrays, backend_json, bytes_of,
+                                 dtype_of, elements, ints, parse_module, parse_replica_groups)
 
-_DTYPE_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16,
-               "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64,
-               "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0, "tf32": 32}
-_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 
 # Ops that move no data through HBM and compute nothing: bookkeeping only.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -60,7 +58,6 @@ _NO_FLOPS = _FREE | {"copy", "copy-start", "reshape", "broadcast", "transpose",
                      "rng-get-and-update-state", "while", "call", "conditional", "async-start"}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                 "collective-permute", "collective-broadcast")
-Groups = tuple[tuple[int, ...], ...]
 
 
 # ----------------------------------------------------------------------------- output types
@@ -136,233 +133,33 @@ class Program:
   entry: tuple[Node, ...]
 
 
-# ----------------------------------------------------------------------------- text parsing
-@dataclass(frozen=True)
-class _Instr:
-  name: str
-  shape: str
-  opcode: str
-  args: str                       # raw text between the opcode's parentheses
-  operands: tuple[str, ...]
-  attrs: dict[str, str] = field(hash=False)
-  is_root: bool = False
-
-
-@dataclass
-class _Comp:
-  name: str
-  instrs: list[_Instr]
-  root: _Instr | None = None
-
-  def __post_init__(self) -> None:
-    self.by_name = {i.name: i for i in self.instrs}
-    self.users: dict[str, list[_Instr]] = {}
-    for i in self.instrs:
-      for o in i.operands:
-        self.users.setdefault(o, []).append(i)
-
-
-def _closing(s: str, i: int) -> int:
-  """Index of the bracket closing s[i], skipping quoted strings."""
-  depth, quoted = 0, False
-  for j in range(i, len(s)):
-    c = s[j]
-    if c == '"' and s[j - 1] != "\\":
-      quoted = not quoted
-    elif not quoted and c in "([{":
-      depth += 1
-    elif not quoted and c in ")]}":
-      depth -= 1
-      if depth == 0:
-        return j
-  raise ValueError(f"unbalanced: {s[i:i + 80]}")
-
-
-def _split_top(s: str) -> list[str]:
-  """Split on commas that are outside brackets and quotes."""
-  parts, depth, quoted, start = [], 0, False, 0
-  for j, c in enumerate(s):
-    if c == '"' and (j == 0 or s[j - 1] != "\\"):
-      quoted = not quoted
-    elif quoted:
-      continue
-    elif c in "([{":
-      depth += 1
-    elif c in ")]}":
-      depth -= 1
-    elif c == "," and depth == 0:
-      parts.append(s[start:j].strip())
-      start = j + 1
-  parts.append(s[start:].strip())
-  return [p for p in parts if p]
-
-
-def _parse_attrs(s: str) -> dict[str, str]:
-  attrs: dict[str, str] = {}
-  for part in _split_top(s):
-    key, eq, value = part.partition("=")
-    if not eq:
-      continue
-    if key == "device_ids" and "replica_groups" in attrs:
-      # The mesh form `mesh[...], device_ids=(...) {axes}` has a top-level comma.
-      attrs["replica_groups"] += f", {part}"
-      continue
-    attrs.setdefault(key.strip(), value.strip())
-  return attrs
-
-
-def _parse_instr(line: str) -> _Instr:
-  lhs, _, rest = line.partition(" = ")
-  name = lhs.replace("ROOT", "").strip().lstrip("%")
-  rest = rest.strip()
-  if rest.startswith("("):
-    end = _closing(rest, 0) + 1
-  else:
-    end = rest.index(" ")
-  shape, rest = rest[:end], rest[end:].strip()
-  opcode = rest[:rest.index("(")]
-  close = _closing(rest, len(opcode))
-  args = rest[len(opcode) + 1:close]
-  operands = tuple(re.findall(r"%([\w.\-]+)", args))
-  attrs = _parse_attrs(rest[close + 1:].lstrip(", "))
-  return _Instr(name, shape, opcode, args, operands, attrs, lhs.lstrip().startswith("ROOT"))
-
-
-def _parse_module(text: str) -> tuple[dict[str, _Comp], str, str, int]:
-  text = re.sub(r"/\*.*?\*/", "", text)  # drop /*index=5*/ comments inside tuples
-  comps: dict[str, _Comp] = {}
-  entry, cur, instrs = "", None, []
-  header = text[:text.find("\n")]
-  name_m = re.match(r"HloModule\s+([\w.\-]+)", header)
-  parts_m = re.search(r"num_partitions=(\d+)", header)
-  for line in text.splitlines():
-    if cur is None:
-      if (line.startswith("%") or line.startswith("ENTRY")) and line.rstrip().endswith("{"):
-        cur = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1)
-        entry = cur if line.startswith("ENTRY") else entry
-        instrs = []
-    elif line.strip() == "}":
-      comp = _Comp(cur, instrs)
-      comp.root = next((i for i in instrs if i.is_root), instrs[-1] if instrs else None)
-      comps[cur], cur = comp, None
-    elif " = " in line:
-      instrs.append(_parse_instr(line))
-  return comps, entry, name_m.group(1) if name_m else "", int(parts_m.group(1)) if parts_m else 1
-
-
-# ----------------------------------------------------------------------------- shapes
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  out = []
-  for dtype, dims in _ARRAY_RE.findall(shape):
-    out.append((dtype, tuple(int(d.replace("<=", "")) for d in dims.split(",") if d)))
-  return out
-
-
-def _bytes(shape: str) -> int:
-  return sum(math.prod(d) * _DTYPE_BITS.get(t, 8 if t.startswith("f8") else 32) // 8
-             for t, d in _arrays(shape))
-
-
-def _elems(shape: str) -> int:
-  return sum(math.prod(d) for _, d in _arrays(shape))
-
-
-def _dtype(shape: str) -> str:
-  arrays = _arrays(shape)
-  return arrays[0][0] if arrays else ""
-
-
-def _ints(s: str | None) -> list[int]:
-  return [int(x) for x in re.findall(r"-?\d+", s or "")]
-
-
-# ----------------------------------------------------------------------------- replica groups
-def parse_replica_groups(text: str, num_partitions: int = 1) -> Groups:
-  """Explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`, or mesh-axes
-  `mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'b'}` form -> groups of partition ids.
-  `{}` means one group of all partitions."""
-  text = text.strip()
-  if text.startswith("{"):
-    groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1]))
-    return groups or (tuple(range(num_partitions)),)
-  m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-  if m:
-    dims = _ints(m.group(2))
-    perm = _ints(m.group(3)) or list(range(len(dims)))
-    ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
-    return tuple(tuple(int(x) for x in g) for g in ids.reshape(_ints(m.group(1))))
-  m = re.fullmatch(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^{]*)\))?\s*\{([^}]*)\}", text)
-  if m:
-    return _mesh_groups(m.group(1), m.group(2), m.group(3))
-  raise ValueError(f"unrecognized replica groups: {text}")
-
-
-def _mesh_groups(axes_text: str, ids_text: str | None, group_text: str) -> Groups:
-  # XLA's MeshAxesReplicaGroupList: reshape the mesh's device list to the axis sizes
-  # (a sub-axis 'a':(pre)size splits axis a into [pre, size, rest]), move the grouped axes
-  # last in the listed order, and cut into groups.
-  axes = [(n, int(s)) for n, s in re.findall(r"'?([^',=\s]+)'?=(\d+)", axes_text)]
-  n_dev = math.prod(s for _, s in axes)
-  if ids_text is None:
-    ids = np.arange(n_dev)
-  else:
-    m = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", ids_text)
-    if m and math.prod(_ints(m.group(1))) == n_dev and len(_ints(m.group(1))) < n_dev:
-      dims = _ints(m.group(1))
-      ids = np.arange(n_dev).reshape(dims).transpose(_ints(m.group(2)) or range(len(dims)))
-    else:
-      ids = np.array(_ints(ids_text))
-  refs = [(n, int(p) if p else None, int(s) if s else None)
-          for n, p, s in re.findall(r"'?([^',:\s]+)'?(?::\((\d+)\)(\d+))?", group_text)]
-  dims: list[int] = []
-  position: dict[tuple[str, int | None], int] = {}   # (axis, pre) -> reshaped dim index
-  for name, size in axes:
-    subs = sorted((p, s) for n, p, s in refs if n == name and p is not None)
-    prefix = 1
-    for pre, sub in subs:
-      if pre != prefix:
-        dims.append(pre // prefix)
-      position[(name, pre)] = len(dims)
-      dims.append(sub)
-      prefix = pre * sub
-    if not subs:
-      position[(name, None)] = len(dims)
-      dims.append(size)
-    elif prefix != size:
-      dims.append(size // prefix)
-  grouped = [position[(n, p)] for n, p, _ in refs]
-  rest = [d for d in range(len(dims)) if d not in grouped]
-  group_size = math.prod(dims[d] for d in grouped)
-  arr = ids.reshape(dims).transpose(rest + grouped).reshape(-1, group_size)
-  return tuple(tuple(int(x) for x in g) for g in arr)
-
-
 # ----------------------------------------------------------------------------- analysis
 class _Analyzer:
   def __init__(self, text: str) -> None:
-    self.comps, self.entry, self.name, self.num_partitions = _parse_module(text)
+    self.comps, self.entry, self.name, self.num_partitions = parse_module(text)
     self._nodes: dict[str, tuple[Node, ...]] = {}
     self._flops: dict[str, tuple[float, float]] = {}
 
   # --- FLOPs of one instruction, recursing into fused computations
-  def instr_flops(self, ins: _Instr, comp: _Comp) -> tuple[float, float]:
+  def instr_flops(self, ins: Instr, comp: Computation) -> tuple[float, float]:
     op = ins.opcode
     if op == "fusion":
       return self.comp_flops(ins.attrs["calls"].lstrip("%"))
     if op == "dot":
-      lhs = _arrays(comp.by_name[ins.operands[0]].shape)[0][1]
-      contracting = _ints(ins.attrs.get("lhs_contracting_dims"))
-      f = 2.0 * _elems(ins.shape) * math.prod(lhs[d] for d in contracting)
+      lhs = arrays(comp.by_name[ins.operands[0]].shape)[0][1]
+      contracting = ints(ins.attrs.get("lhs_contracting_dims"))
+      f = 2.0 * elements(ins.shape) * math.prod(lhs[d] for d in contracting)
       return f, f
     if op == "convolution":
-      kernel = _arrays(comp.by_name[ins.operands[1]].shape)[0][1]
+      kernel = arrays(comp.by_name[ins.operands[1]].shape)[0][1]
       labels = ins.attrs.get("dim_labels", "_01io->").split("_")[1].split("->")[0]
-      f = 2.0 * _elems(ins.shape) * math.prod(kernel) / kernel[labels.index("o")]
+      f = 2.0 * elements(ins.shape) * math.prod(kernel) / kernel[labels.index("o")]
       return f, f
     if op == "custom-call" and "gemm_backend_config" in ins.attrs.get("backend_config", ""):
-      dnums = _json(ins.attrs["backend_config"])["gemm_backend_config"]["dot_dimension_numbers"]
-      lhs = _arrays(comp.by_name[ins.operands[0]].shape)[0][1]
-      out = _arrays(ins.shape)[0][1]  # cublasLt returns (result, workspace)
+      gemm = backend_json(ins.attrs["backend_config"])["gemm_backend_config"]
+      dnums = gemm["dot_dimension_numbers"]
+      lhs = arrays(comp.by_name[ins.operands[0]].shape)[0][1]
+      out = arrays(ins.shape)[0][1]  # cublasLt returns (result, workspace)
       contracting = [int(d) for d in dnums["lhs_contracting_dimensions"]]
       f = 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
       return f, f
@@ -370,36 +167,36 @@ class _Analyzer:
       return self._fused_attention_flops(ins, comp)
     if op == "reduce":
       n_in = len(ins.operands) // 2  # operands are inputs then init values
-      return float(sum(_elems(comp.by_name[o].shape) for o in ins.operands[:n_in])), 0.0
+      return float(sum(elements(comp.by_name[o].shape) for o in ins.operands[:n_in])), 0.0
     if op == "reduce-window":
       size = re.search(r"size=([\dx]+)", ins.attrs.get("window", ""))
-      window = math.prod(_ints(size.group(1).replace("x", ","))) if size else 1
-      return float(_elems(ins.shape) * window), 0.0
+      window = math.prod(ints(size.group(1).replace("x", ","))) if size else 1
+      return float(elements(ins.shape) * window), 0.0
     if op in _NO_FLOPS or any(op.startswith(c) for c in _COLLECTIVES):
       return 0.0, 0.0
-    return float(_elems(ins.shape)), 0.0  # elementwise, transcendental, compare, select...
+    return float(elements(ins.shape)), 0.0  # elementwise, transcendental, compare, select...
 
   @staticmethod
-  def _fused_attention_flops(ins: _Instr, comp: _Comp) -> tuple[float, float]:
+  def _fused_attention_flops(ins: Instr, comp: Computation) -> tuple[float, float]:
     """cuDNN flash attention: the forward runs two matmuls over the [B, H, Tq, Tk] scores
     (Q.K^T and P.V, 2 x 2 x scores x K FLOPs), the backward five (Q.K^T again, then dV,
     dP, dQ, dK); a causal mask skips the upper triangle's blocks, half the work."""
-    config = _json(ins.attrs["backend_config"])["cudnn_fmha_backend_config"]
+    config = backend_json(ins.attrs["backend_config"])["cudnn_fmha_backend_config"]
     scores = math.prod(int(d) for d in config["intermediate_tensor_shape"]["dimensions"])
-    head_dim = _arrays(comp.by_name[ins.operands[0]].shape)[0][1][-1]
+    head_dim = arrays(comp.by_name[ins.operands[0]].shape)[0][1][-1]
     matmuls = 5 if "Backward" in ins.attrs.get("custom_call_target", "") else 2
     causal = 0.5 if config.get("mask_type") == "CAUSAL" else 1.0
     f = matmuls * 2.0 * scores * head_dim * causal
     return f, f
 
-  def dot_dtype(self, ins: _Instr, comp: _Comp) -> str:
+  def dot_dtype(self, ins: Instr, comp: Computation) -> str:
     """Element type of the first matmul's lhs, looking inside fusions."""
     if ins.opcode == "fusion":
       fused = self.comps[ins.attrs["calls"].lstrip("%")]
       return next((t for t in (self.dot_dtype(i, fused) for i in fused.instrs) if t), "")
     if ins.opcode in ("dot", "convolution", "custom-call") and ins.operands:
       lhs = comp.by_name.get(ins.operands[0])
-      return _dtype(lhs.shape) if lhs and self.instr_flops(ins, comp)[1] else ""
+      return dtype_of(lhs.shape) if lhs and self.instr_flops(ins, comp)[1] else ""
     return ""
 
   def comp_flops(self, name: str) -> tuple[float, float]:
@@ -410,24 +207,25 @@ class _Analyzer:
     return self._flops[name]
 
   # --- bytes at a kernel boundary
-  def instr_bytes(self, ins: _Instr, comp: _Comp) -> tuple[int, int]:
+  def instr_bytes(self, ins: Instr, comp: Computation) -> tuple[int, int]:
     op = ins.opcode
     if op in ("dynamic-slice", "slice"):
-      return _bytes(ins.shape), _bytes(ins.shape)
+      return bytes_of(ins.shape), bytes_of(ins.shape)
     if op == "gather":
-      return _bytes(ins.shape) + _bytes(comp.by_name[ins.operands[1]].shape), _bytes(ins.shape)
+      indices = bytes_of(comp.by_name[ins.operands[1]].shape)
+      return bytes_of(ins.shape) + indices, bytes_of(ins.shape)
     if op in ("dynamic-update-slice", "scatter"):  # in place: only the update moves
       update = ins.operands[-1] if op == "scatter" else ins.operands[1]
-      return (sum(_bytes(comp.by_name[o].shape) for o in ins.operands[1:]),
-              _bytes(comp.by_name[update].shape))
-    read = sum(_bytes(comp.by_name[o].shape) for o in ins.operands if o in comp.by_name)
+      return (sum(bytes_of(comp.by_name[o].shape) for o in ins.operands[1:]),
+              bytes_of(comp.by_name[update].shape))
+    read = sum(bytes_of(comp.by_name[o].shape) for o in ins.operands if o in comp.by_name)
     if op == "copy-start":  # its output is a (destination, source, context) tuple
       return read, read
     if op != "fusion":
-      return read, _bytes(ins.shape)
+      return read, bytes_of(ins.shape)
     fused = self.comps[ins.attrs["calls"].lstrip("%")]
     params = {int(i.args): i for i in fused.instrs if i.opcode == "parameter"}
-    read = sum(self._param_read(fused, params[k], _bytes(comp.by_name[o].shape))
+    read = sum(self._param_read(fused, params[k], bytes_of(comp.by_name[o].shape))
                for k, o in enumerate(ins.operands) if k in params and o in comp.by_name)
     root = fused.root
     outs = [fused.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
@@ -436,15 +234,15 @@ class _Analyzer:
       while out.opcode == "bitcast" and out.operands[0] in fused.by_name:
         out = fused.by_name[out.operands[0]]
       if out.opcode == "dynamic-update-slice":
-        written += _bytes(fused.by_name[out.operands[1]].shape)
+        written += bytes_of(fused.by_name[out.operands[1]].shape)
       elif out.opcode == "scatter":
-        written += _bytes(fused.by_name[out.operands[-1]].shape)
+        written += bytes_of(fused.by_name[out.operands[-1]].shape)
       else:
-        written += _bytes(out.shape)
+        written += bytes_of(out.shape)
     return read, written
 
   @staticmethod
-  def _param_read(fused: _Comp, param: _Instr, full: int) -> int:
+  def _param_read(fused: Computation, param: Instr, full: int) -> int:
     """Bytes of a fusion operand actually read: slices only, if it is only sliced."""
     total, todo = 0, [param.name]
     while todo:
@@ -453,7 +251,7 @@ class _Analyzer:
         if user.opcode == "bitcast":
           todo.append(user.name)
         elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
-          total += _bytes(user.shape)
+          total += bytes_of(user.shape)
         elif user.opcode in ("dynamic-update-slice", "scatter") and user.operands[0] == name:
           pass  # the in-place buffer itself is not read
         else:
@@ -466,7 +264,7 @@ class _Analyzer:
       self._nodes[name] = tuple(self._build(self.comps[name]))
     return self._nodes[name]
 
-  def _build(self, comp: _Comp) -> list[Node]:
+  def _build(self, comp: Computation) -> list[Node]:
     nodes: list[Node] = []
     open_starts: dict[str, int] = {}   # async start name -> index in nodes
     for ins in comp.instrs:
@@ -498,12 +296,12 @@ class _Analyzer:
       else:
         flops, dflops = self.instr_flops(ins, comp)
         read, written = self.instr_bytes(ins, comp)
-        nodes.append(Compute(ins.name, op, flops, dflops, read, written, _dtype(ins.shape),
-                             _kind(ins), self.dot_dtype(ins, comp) if dflops else "",
-                             _op_name(ins), _scheduling_name(ins)))
+        nodes.append(Compute(ins.name, op, flops, dflops, read, written, dtype_of(ins.shape),
+                             hlo_text.kind(ins), self.dot_dtype(ins, comp) if dflops else "",
+                             hlo_text.op_name(ins), hlo_text.scheduling_name(ins)))
     return nodes
 
-  def _collective(self, ins: _Instr, comp: _Comp) -> Collective | None:
+  def _collective(self, ins: Instr, comp: Computation) -> Collective | None:
     op, is_async = ins.opcode, False
     if op == "async-start":   # async wrapper: the collective is inside the computation
       inner = self.comps[ins.attrs["calls"].lstrip("%")]
@@ -511,36 +309,37 @@ class _Analyzer:
       if not found:
         return None
       return replace(self._collective(found[0], inner), name=ins.name, is_async=True,
-                     scheduling_name=_scheduling_name(ins))
+                     scheduling_name=hlo_text.scheduling_name(ins))
     if op.endswith("-start") and op[:-6] in _COLLECTIVES:
       op, is_async = op[:-6], True
     if op not in _COLLECTIVES:
       return None
-    operand_bytes = sum(_bytes(comp.by_name[o].shape) for o in ins.operands if o in comp.by_name)
+    operand_bytes = sum(bytes_of(comp.by_name[o].shape) for o in ins.operands if o in comp.by_name)
     groups: Groups = ()
     pairs: tuple[tuple[int, int], ...] = ()
     if op == "collective-permute":
-      ids = _ints(ins.attrs.get("source_target_pairs"))
+      ids = ints(ins.attrs.get("source_target_pairs"))
       pairs = tuple(zip(ids[::2], ids[1::2]))
     else:
       groups = parse_replica_groups(ins.attrs.get("replica_groups", "{}"), self.num_partitions)
     size = operand_bytes * (len(groups[0]) if op == "all-gather" and groups else 1)
     first = comp.by_name.get(ins.operands[0]) if ins.operands else None
-    dtype = _dtype(first.shape if first else ins.shape)
+    dtype = dtype_of(first.shape if first else ins.shape)
     sync = '"is_sync":true' in ins.attrs.get("backend_config", "")
     return Collective(ins.name, op, size, dtype, groups, pairs, is_async, xla_sync=sync,
-                      operands=max(1, len(ins.operands)), scheduling_name=_scheduling_name(ins))
+                      operands=max(1, len(ins.operands)),
+                      scheduling_name=hlo_text.scheduling_name(ins))
 
-  def _loop(self, ins: _Instr, comp: _Comp) -> Loop:
+  def _loop(self, ins: Instr, comp: Computation) -> Loop:
     body = self.comp_nodes(ins.attrs["body"].lstrip("%"))
-    op_name = _op_name(ins)
+    op_name = hlo_text.op_name(ins)
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs.get("backend_config", ""))
     if m:
       return Loop(ins.name, int(m.group(1)), body, "backend_config", op_name)
     n = self._trip_from_condition(ins, comp)
     return Loop(ins.name, n or 1, body, "condition" if n else "unknown", op_name)
 
-  def _trip_from_condition(self, ins: _Instr, comp: _Comp) -> int | None:
+  def _trip_from_condition(self, ins: Instr, comp: Computation) -> int | None:
     """Match `iv < N` (or <=) where iv is a tuple element that starts at a constant."""
     cond = self.comps[ins.attrs["condition"].lstrip("%")]
     cmp_comp, cmp, outer = cond, cond.root, None
@@ -550,7 +349,7 @@ class _Analyzer:
     if cmp is None or cmp.opcode != "compare" or len(cmp.operands) != 2:
       return None
 
-    def resolve(name: str, c: _Comp) -> tuple[str, int] | None:
+    def resolve(name: str, c: Computation) -> tuple[str, int] | None:
       i = c.by_name.get(name)
       while i is not None and i.opcode in ("copy", "convert", "bitcast"):
         i = c.by_name.get(i.operands[0])
@@ -558,8 +357,8 @@ class _Analyzer:
         return None
       if i.opcode == "parameter" and c is cmp_comp and outer is not None:
         return resolve(outer.operands[int(i.args)], cond)
-      if i.opcode == "constant" and _ints(i.args):
-        return "const", _ints(i.args)[0]
+      if i.opcode == "constant" and ints(i.args):
+        return "const", ints(i.args)[0]
       if i.opcode == "get-tuple-element":
         return "iv", int(i.attrs["index"])
       return None
@@ -574,34 +373,6 @@ class _Analyzer:
       init = got[1] if got and got[0] == "const" else 0
     trips = rhs[1] - init + (1 if direction == "LE" else 0)
     return trips if trips > 0 else None
-
-
-def _op_name(ins: _Instr) -> str:
-  m = re.search(r'op_name="([^"]*)"', ins.attrs.get("metadata", ""))
-  return m.group(1) if m else ""
-
-
-def _scheduling_name(ins: _Instr) -> str:
-  m = re.search(r'scheduling_name="([^"]*)"', ins.attrs.get("metadata", ""))
-  return m.group(1) if m else ins.name
-
-
-def _kind(ins: _Instr) -> str:
-  """Backend fusion kind (__triton_gemm, ...), else fusion kind (kLoop, ...) or call target."""
-  m = re.search(r'"kind":"(__\w+)"', ins.attrs.get("backend_config", ""))
-  if m:
-    return m.group(1)
-  return ins.attrs.get("kind", ins.attrs.get("custom_call_target", "").strip('"'))
-
-
-def _json(s: str) -> dict:
-  s = s.strip()
-  if s.startswith('"'):  # older XLA prints backend_config as an escaped string
-    s = json.loads(s)
-  try:
-    return json.loads(s)
-  except json.JSONDecodeError:
-    return {}
 
 
 # ----------------------------------------------------------------------------- public API

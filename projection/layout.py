@@ -9,9 +9,9 @@ run along the data axis are then re-placed on the full cluster (`target_group_do
 
 With gradient accumulation the compiled program runs `COMPILED_MICRO_BATCHES`
 micro-batches, not the target's count: the accumulation loop's body is the same program
-whatever its trip count, so the projection sets the trip count to the target's (see
-projection/project.py). Every GPU count of one experiment and GPU generation then shares
-one compile.
+whatever its trip count, so the projection sets the trip count to the target's
+(projection/step_loops.py). Every GPU count of one experiment and GPU generation then
+shares one compile.
 
 Devices of the target are numbered node-major (node n holds n * gpus_per_node ...), as
 `parallelism.mesh.device_grid` lays them out; a device's NVLink domain is its number
@@ -25,7 +25,7 @@ import numpy as np
 
 from errors import UserInputError
 from parallelism.mesh import AXES, MeshConfig, MeshLayout, plan
-from projection.hlo import Groups
+from projection.hlo_text import Groups
 from train.config import TrainConfig
 
 # Two replicas keep the data-axis collectives in the compiled program (one would drop

@@ -40,7 +40,7 @@ from model.config import REMAT_POLICIES
 from model.flops import param_count, train_flops_per_token
 from parallelism import one_f_one_b, pipeline, sharding
 from parallelism.mesh import AXES, MeshConfig
-from projection import layout, project
+from projection import aot_compile, layout, project
 from train import step as train_step
 
 GB = 1e9
@@ -311,7 +311,7 @@ def search(
       f"--gpus {gpus} on {hw.name}: none of the {ranking.candidates} "
       f"parallelism configurations of {exp.name} is valid ({reasons})"
     )
-  before = project.compile_step.cache_info().misses
+  before = aot_compile.compile_step.cache_info().misses
   records = []
   chosen = ranking.survivors[:budget]
   for i, (candidate, estimate, reduced) in enumerate(chosen):
@@ -340,5 +340,5 @@ def search(
     records.append(record)
     if on_record:
       on_record(record)
-  compiles = project.compile_step.cache_info().misses - before
+  compiles = aot_compile.compile_step.cache_info().misses - before
   return Result(hw.name, gpus, ranking, tuple(records), compiles)

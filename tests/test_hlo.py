@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from projection import hlo
+from projection import hlo, hlo_text
 
 
 def _compile(f, *args, **jit_kwargs):
@@ -198,7 +198,7 @@ def test_a_combined_all_reduce_counts_its_operands():
     ("mesh['a'=4], device_ids=(3,1,0,2) {'a'}", ((3, 1, 0, 2),)),
 ])
 def test_parse_replica_groups(text, groups):
-  assert hlo.parse_replica_groups(text, num_partitions=4) == groups
+  assert hlo_text.parse_replica_groups(text, num_partitions=4) == groups
 
 
 def test_async_start_done_pair_and_overlap_from_text():

@@ -28,7 +28,8 @@ from model import fp8
 from model.gpt import attention
 from parallelism import sequence
 from parallelism.mesh import AXES, MeshConfig
-from projection import cost_model, hlo, layout, project, targets
+from projection import (aot_compile, collective_timing, cost_model, hlo, layout, project,
+                        step_loops, targets)
 from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
@@ -246,7 +247,7 @@ def test_split_optimizer_gathers_the_fp8_kernels_casts_over_data_on_h100():
   )
   reduced = project.plan(exp, H100, 8)
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
-  program = project.compile_step(
+  program = aot_compile.compile_step(
     exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program
   gathered = {"f8e4m3fn": 0, "bf16": 0}
   for node, _ in hlo.collectives(program):
@@ -284,11 +285,11 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
   assert (record["micro_batches"], record["compiled_micro_batches"]) == (4, 4)
   reduced = project.plan(exp, H100, 8)
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
-  program = project.compile_step(
+  program = aot_compile.compile_step(
     exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8
   ).program
-  timer = project.collective_timer(reduced, H100)
-  loops = [program.entry[i] for i in project.pipeline_loops(program)]
+  timer = collective_timing.collective_timer(reduced, H100)
+  loops = [program.entry[i] for i in step_loops.pipeline_loops(program)]
   assert [loop.trip_count for loop in loops] == [9, 9]
   loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop in loops)
   bubble = record["breakdown"]["bubble_s"]
@@ -300,16 +301,16 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
   assert all(set(axes.split("+")) <= {"data", "pipeline"} for axes in by_axis if axes != "none")
   assert max(by_axis.values()) <= record["breakdown"]["exposed_comm_s"] + 1e-12
   # 8 micro-batches: 8 more busy trips per loop, the same one idle.
-  eight = project.with_micro_batches(program, 4, 8, virtual_stages=2)
-  assert [eight.entry[i].trip_count for i in project.pipeline_loops(eight)] == [17, 17]
-  assert project.bubble_s(eight, H100, timer, 8, 2, 2) == pytest.approx(bubble)
+  eight = step_loops.with_micro_batches(program, 4, 8, virtual_stages=2)
+  assert [eight.entry[i].trip_count for i in step_loops.pipeline_loops(eight)] == [17, 17]
+  assert step_loops.bubble_s(eight, H100, timer, 8, 2, 2) == pytest.approx(bubble)
   with pytest.raises(RuntimeError, match="not the 8 x 2 \\+ 2 - 1 of the schedule"):
-    project.bubble_s(program, H100, timer, 8, 2, 2)
+    step_loops.bubble_s(program, H100, timer, 8, 2, 2)
   # The same micro-batches in 2 passes of 2: each pass's loops run 2 x 2 + 1 = 5 trips
   # inside the pass loop, 1 idle, so twice the idle trips of one pass.
   two = dataclasses.replace(exp, train=dataclasses.replace(exp.train, pipeline_passes=2))
   train_cfg = dataclasses.replace(two.train, global_batch=reduced.global_batch)
-  passes = project.pipeline_passes(project.compile_step(
+  passes = step_loops.pipeline_passes(aot_compile.compile_step(
     two.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program)
   assert [(loop.trip_count, repeats) for loop, repeats in passes] == [(5, 2), (5, 2)]
   loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop, _ in passes)
@@ -320,9 +321,9 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
   # P - 1 = 1 trip of the fill and 1 of the drain.
   one_f = dataclasses.replace(exp, train=dataclasses.replace(exp.train, pipeline_schedule="1f1b"))
   train_cfg = dataclasses.replace(one_f.train, global_batch=reduced.global_batch)
-  program = project.compile_step(
+  program = aot_compile.compile_step(
     one_f.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program
-  loops = project.pipeline_passes(program)
+  loops = step_loops.pipeline_passes(program)
   assert [(loop.trip_count, repeats) for loop, repeats in loops] == [(5, 1), (4, 1), (5, 1)]
   fill, _, drain = (cost_model.simulate(loop.body, H100, timer).step_s for loop, _ in loops)
   record = project.project(one_f, "h100", 8)

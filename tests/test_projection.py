@@ -1,6 +1,6 @@
-"""Projection (projection/project.py): compile reuse and its agreement with direct
-compiles, matmul FLOPs, HBM capacity, placement on the target, the cost model's streams,
-and bad input through launch.py.
+"""Projection (projection/project.py and the modules it joins): compile reuse and its
+agreement with direct compiles, matmul FLOPs, HBM capacity, placement on the target, the
+cost model's streams, and bad input through launch.py.
 
 A deviceless GPU compile takes 10-20 s here whatever the model's size, so the small-model
 tests share three H100 compiles (compile_step's cache) and GPT-3 175B is compiled once;
@@ -31,7 +31,8 @@ from hardware import catalog
 from model.config import ModelConfig
 from model.flops import matmul_flops_per_step
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import collectives, cost_model, hlo, layout, project, targets
+from projection import (aot_compile, collective_timing, collectives, cost_model, hlo, layout,
+                        project, step_loops, targets)
 from train import step as train_step
 from train.config import TrainConfig
 
@@ -92,9 +93,9 @@ def test_data_axis_2_extended_to_16_matches_a_compile_at_16():
 
 @deviceless
 def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
-  before = project.compile_step.cache_info()
+  before = aot_compile.compile_step.cache_info()
   r64, r128 = project.project(SMALL, "h100", 64), project.project(SMALL, "h100", 128)
-  after = project.compile_step.cache_info()
+  after = aot_compile.compile_step.cache_info()
   assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
   assert r64["compiled_mesh"] == r128["compiled_mesh"] == {"data": 2, "fsdp": 2, "tensor": 4,
                                                            "pipeline": 1}
@@ -143,21 +144,21 @@ def test_latency_profile_names_the_instructions_xla_schedules(capfd, monkeypatch
   # XLA logs how many of the instructions it schedules it found in the profile and lists
   # the rest; the projection's profile must name them as XLA scheduled them (a
   # while-loop condition, which XLA does not schedule, may be missing).
-  monkeypatch.setattr(project.platform_env, "captured_stderr", contextlib.nullcontext)
+  monkeypatch.setattr(aot_compile.platform_env, "captured_stderr", contextlib.nullcontext)
   exp = dataclasses.replace(SMALL, latency_profile=True)
   reduced = project.plan(exp, H100, 256)
-  timer = project.collective_timer(reduced, H100)
-  untuned, _ = project.compiled_program(dataclasses.replace(exp, latency_profile=False), H100,
+  timer = collective_timing.collective_timer(reduced, H100)
+  untuned, _ = aot_compile.compiled_program(dataclasses.replace(exp, latency_profile=False), H100,
                                         reduced, timer)
   capfd.readouterr()
-  before = project.compile_step.cache_info().misses
-  tuned, compile_s = project.compiled_program(exp, H100, reduced, timer)
+  before = aot_compile.compile_step.cache_info().misses
+  tuned, compile_s = aot_compile.compiled_program(exp, H100, reduced, timer)
   log = capfd.readouterr().err
-  assert project.compile_step.cache_info().misses == before + 1
+  assert aot_compile.compile_step.cache_info().misses == before + 1
   assert compile_s == pytest.approx(untuned.compile_s + tuned.compile_s)
   found = int(re.search(r"Found (\d+) instructions from the profile", log).group(1))
   missing = re.search(r"Missing (\d+) instructions from the profile", log)
-  profile = project.latency_profile(untuned.program, H100, timer)
+  profile = aot_compile.latency_profile(untuned.program, H100, timer)
   assert found >= 0.9 * len(profile)
   assert missing is None or int(missing.group(1)) <= 0.05 * found
   # The profile's collectives cost what the projection costs them.
@@ -176,7 +177,7 @@ def test_save_dots_matmul_flops_and_the_named_loop_on_cpu():
   step = train_step.build(model, TrainConfig(global_batch=2, micro_batch=1), mesh)
   program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
   assert hlo.dot_flops(program) == matmul_flops_per_step(model, 2)
-  five = project.with_micro_batches(program, compiled=2, target=5)
+  five = step_loops.with_micro_batches(program, compiled=2, target=5)
   assert hlo.dot_flops(five) == matmul_flops_per_step(model, 5)
 
 
@@ -189,12 +190,12 @@ def test_with_micro_batches_sets_only_the_named_loop():
   layer = _loop("layers", "jit(train_step)/grad_accumulation/while/body/jvp()/while", 12)
   accumulation = _loop("acc", "jit(train_step)/grad_accumulation/while", 2, (layer,))
   program = hlo.Program("m", 8, (_loop("other", "jit(train_step)/while", 2), accumulation))
-  extended = project.with_micro_batches(program, compiled=2, target=24)
+  extended = step_loops.with_micro_batches(program, compiled=2, target=24)
   assert [n.trip_count for n in extended.entry] == [2, 24]
   assert extended.entry[1].body == (layer,)
-  assert project.with_micro_batches(program, compiled=2, target=2) is program
+  assert step_loops.with_micro_batches(program, compiled=2, target=2) is program
   with pytest.raises(RuntimeError, match="one gradient-accumulation loop"):
-    project.with_micro_batches(hlo.Program("m", 8, (layer,)), compiled=2, target=24)
+    step_loops.with_micro_batches(hlo.Program("m", 8, (layer,)), compiled=2, target=24)
 
 
 def test_plan_reduces_any_data_size_and_checks_the_micro_batch():
@@ -227,7 +228,7 @@ def test_groups_straddling_nvl72_racks_are_costed_at_the_slowest():
   gather = hlo.Collective("ag", "all-gather", 150 * 2**20, "bf16", fsdp_groups)
   in_rack = collectives.collective_time_s("all-gather", gather.bytes, [0] * 8, gb200)
   straddling = collectives.collective_time_s("all-gather", gather.bytes, [0] + [1] * 7, gb200)
-  assert project.collective_timer(reduced, gb200)(gather) == straddling > 3 * in_rack
+  assert collective_timing.collective_timer(reduced, gb200)(gather) == straddling > 3 * in_rack
 
 
 def test_sync_collective_waits_for_the_communication_stream():
@@ -281,7 +282,7 @@ def test_collectives_are_named_by_the_mesh_axes_they_run_along():
     hlo.Collective("p", "collective-permute", 1, "bf16", pairs=((0, 1), (1, 0))),
   )
   seconds = {"t": 1.0, "d": 1.0, "p": 0.5}
-  by_axis = project.exposed_comm_by_axis_s(hlo.Program("p", 8, nodes), H100, reduced,
+  by_axis = collective_timing.exposed_comm_by_axis_s(hlo.Program("p", 8, nodes), H100, reduced,
                                            lambda n: seconds[n.name])
   assert by_axis == pytest.approx({"tensor": 1.0, "data": 0.0, "pipeline": 0.5}, abs=1e-9)
 
