@@ -25,9 +25,10 @@ later than it left needs M >= P micro-batches when V > 1.
 Everything is one SPMD program: the per-rank state is a [P, ...] array sharded over
 `pipeline`, the ranks' work is `jax.vmap` over it with `spmd_axis_name="pipeline"`, and
 the move is `jnp.roll` along it, which XLA partitions into a collective-permute. `run` is
-one data-parallel replica's pipeline; the train step vmaps it over the replicas (see
-train/step.py), so that each replica accumulates its own weight gradients through the
-backward loop and they are reduced over `data` once, not once per trip.
+one data-parallel replica's pipeline; the lockstep gradient strategy vmaps it over the
+replicas (parallelism/gradients.py), so that each replica accumulates its own weight
+gradients through the backward loop and they are reduced over `data` once, not once per
+trip.
 
 parallelism/one_f_one_b.py runs the same layout under the 1F1B schedule, its backward
 written out instead of derived from this loop.

@@ -38,7 +38,7 @@ from errors import UserInputError
 from hardware.catalog import Hardware
 from model.config import REMAT_POLICIES
 from model.flops import param_count, train_flops_per_token
-from parallelism import one_f_one_b, pipeline, sharding
+from parallelism import gradients, one_f_one_b, pipeline, sharding
 from parallelism.mesh import AXES, MeshConfig
 from projection import aot_compile, layout, project
 from train import step as train_step
@@ -248,7 +248,8 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
         pipeline.check(cand_exp.model.num_layers, stages, candidate.virtual_stages, micro,
                        pipeline.passes(cand_exp.train.pipeline_passes, micro, stages, schedule),
                        schedule)
-        train_step.check_fp8_schedule(cand_exp.model, cand_exp.train, stages)
+        gradients.check_scales(cand_exp.train.pipeline_schedule, stages,
+                               cand_exp.model.delayed_scaling)
       # The model's shapes over the model-parallel axes: once the checks above pass, the
       # same for every micro-batch, virtual-stage count (a reordering of the layers) and
       # remat policy, so built once per (fsdp, tensor, pipeline).

@@ -14,14 +14,14 @@ import re
 from collections.abc import Callable
 
 from hardware.catalog import Hardware
-from parallelism import one_f_one_b, pipeline
+from parallelism import gradients, one_f_one_b, pipeline
 from projection import cost_model, hlo
 from train import step as train_step
 
 # The gradient-accumulation loop is the while op that train/step.py's named scope names.
 # Vmapped over data-parallel replicas when it runs pipeline passes: "vmap(grad_accumulation)".
 _ACCUMULATION_OP = re.compile(
-  rf"(^|[/(]){re.escape(train_step.GRAD_ACCUMULATION_SCOPE)}\)*/while$")
+  rf"(^|[/(]){re.escape(gradients.ACCUMULATION_SCOPE)}\)*/while$")
 # The pipeline's loops: the forward one ("jvp(pipeline)/while") and its transpose
 # ("transpose(jvp(pipeline))/while"), one trip each per schedule step
 # (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
@@ -97,7 +97,7 @@ def with_micro_batches(program: hlo.Program, compiled: int, target: int,
            if isinstance(n, hlo.Loop) and _ACCUMULATION_OP.search(n.op_name)]
   if len(found) != 1:
     raise RuntimeError(f"expected one gradient-accumulation loop (a while op named "
-                       f"'{train_step.GRAD_ACCUMULATION_SCOPE}/while') at the top of "
+                       f"'{gradients.ACCUMULATION_SCOPE}/while') at the top of "
                        f"{program.name}, found {len(found)}")
   loop = program.entry[found[0]]
   trips = loop.trip_count + target - compiled

@@ -103,7 +103,7 @@ def test_enumeration_and_pruning_follow_the_shape_rules():
 
 
 def test_delayed_fp8_scaling_prunes_the_lockstep_schedules():
-  # Pipelined delayed scaling runs only under 1f1b (train/step.py check_fp8_schedule): the
+  # Pipelined delayed scaling runs only under 1f1b (parallelism/gradients.py check_scales): the
   # lockstep candidates that were valid are pruned under its field (with others that a
   # later check would have pruned), the rest stay.
   delayed = dataclasses.replace(

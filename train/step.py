@@ -1,10 +1,14 @@
 """The sharded train step: loss, gradients, AdamW update, all under one jit.
 
-Inputs and outputs carry explicit shardings derived from the logical-axis rules; the
-state is donated so parameters and moments are updated in place.
+The loss and gradients come from the gradient strategy the configuration plans
+(parallelism/gradients.py: plain, accumulated micro-batches, a lockstep pipeline or 1F1B),
+given the GPT's loss in pieces (`loss_pieces`). Inputs and outputs carry explicit
+shardings derived from the logical-axis rules; the state is donated so parameters and
+moments are updated in place.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,15 +22,9 @@ from errors import UserInputError
 from model.config import ModelConfig
 from model import fp8
 from model.gpt import GPT, KERNELS, residual_axes, run_layers
-from parallelism import one_f_one_b, pipeline, rules, sharding
+from parallelism import gradients, pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
-
-# Name scope of the gradient-accumulation loop. It survives into the optimized HLO as the
-# while op's metadata op_name (".../grad_accumulation/while"), which is how
-# projection/project.py finds the loop whose trip count is the number of micro-batches.
-GRAD_ACCUMULATION_SCOPE = "grad_accumulation"
-
 
 class TrainState(NamedTuple):
   step: jax.Array       # int32 scalar
@@ -61,16 +59,28 @@ class TrainProgram:
       return self.step.lower(self.abstract_state, self.abstract_batch(global_batch, seq_len))
 
 
-def check_fp8_schedule(model_cfg: ModelConfig, train_cfg: TrainConfig, stages: int) -> None:
-  """FP8 delayed scaling, pipelined, needs the 1f1b schedule: autodiff of the lockstep
-  loops (parallelism/pipeline.py) would sum the micro-batches' amaxes, not keep the largest."""
-  if stages > 1 and model_cfg.delayed_scaling and train_cfg.pipeline_schedule != "1f1b":
-    raise UserInputError("model.fp8_amax_history > 0 (delayed scaling) needs "
-                         "train.pipeline_schedule = 1f1b when pipelined, got "
-                         f"{train_cfg.pipeline_schedule!r}")
+def loss_pieces(model_cfg: ModelConfig, graphdef: nnx.GraphDef) -> gradients.LossPieces:
+  """The GPT's loss as functions of its parameters, for the gradient strategies."""
+  model = lambda params: nnx.merge(graphdef, params)
+
+  def split_params(params):
+    return nnx.State({k: v for k, v in params.items() if k != "layers"}), params["layers"]
+
+  return gradients.LossPieces(
+    embed=lambda params, tokens: model(params).embed(tokens),
+    stack=lambda params, scales: model(params).layer_params(scales),
+    run_layers=functools.partial(run_layers, model_cfg),
+    head=lambda params, x: model(params).head(x),
+    loss=cross_entropy,
+    split_params=split_params,
+    join_params=lambda rest, layers: nnx.State({**rest, "layers": layers}),
+    split_stack=fp8.split_casts,
+    join_stack=fp8.with_casts,
+    activation_axes=residual_axes(model_cfg))
 
 
 def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainProgram:
+  """The train program of model_cfg and train_cfg on mesh; bad input raises UserInputError."""
   model_cfg.validate()
   train_cfg.validate()
   tx = make_optimizer(train_cfg)
@@ -81,7 +91,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"model.seq_len = {model_cfg.seq_len} does not divide over mesh tensor "
                          f"= {mesh.shape['tensor']} (model.sequence_parallel)")
 
-  check_fp8_schedule(model_cfg, train_cfg, stages)
+  gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
 
   def init() -> TrainState:
     params = nnx.state(GPT(model_cfg, nnx.Rngs(train_cfg.seed), pipelined), nnx.Param)
@@ -103,13 +113,8 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
                          f"{per_replica} sequences per data-parallel replica")
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
-  pipeline_schedule = train_cfg.pipeline_schedule
-  passes = (pipeline.passes(train_cfg.pipeline_passes, micro_batches, stages, pipeline_schedule)
-            if pipelined else 1)
-  per_pass = micro_batches // passes
-  if pipelined:
-    pipeline.check(model_cfg.num_layers, stages, virtual, micro_batches, passes,
-                   pipeline_schedule)
+  plan = gradients.plan(model_cfg.num_layers, stages, virtual, mesh.shape["data"],
+                        micro_batches, train_cfg.pipeline_schedule, train_cfg.pipeline_passes)
   abstract = jax.eval_shape(init)
   sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
@@ -128,117 +133,8 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  # Every loss below is differentiated for (params, scales): scales are FP8 delayed
-  # scaling's {kernel: (input scales [L], gradient scales [L])} ({} otherwise), and their
-  # "gradients" the amaxes observed, kept as the largest over micro-batches and replicas.
-  loss_and_grads_of = lambda loss_fn: jax.value_and_grad(loss_fn, argnums=(0, 1))
-
-  def loss_fn(params, scales, batch):
-    logits = nnx.merge(graphdef, params)(batch["inputs"], scales)
-    return cross_entropy(logits, batch["targets"])
-
-  def split(batch):
-    # [B, T] -> [B/n, n, T] keeps each device's rows on it (rows are sharded in
-    # contiguous blocks); the micro-batch index then moves to the front.
-    n = micro_batches
-    return jax.tree.map(lambda x: x.reshape(-1, n, x.shape[-1]).swapaxes(0, 1), batch)
-
-  def pipelined_loss_fn(params, scales, micro):
-    # One data-parallel replica's micro-batches micro [M', mb, T] through the pipeline.
-    model = nnx.merge(graphdef, params)
-    x = jax.vmap(model.embed)(micro["inputs"])
-    x = pipeline.run(lambda x, p, chunk: run_layers(model_cfg, x, p, chunk),
-                     model.layer_params(scales), x, stages, virtual)
-    # The head's micro-batches split over the stages, which would otherwise all repeat it.
-    spread = pipeline.MESH_AXIS if per_pass % stages == 0 else None
-    logits = jax.vmap(model.head, spmd_axis_name=spread)(x)
-    return cross_entropy(logits, micro["targets"])
-
-  def accumulated(loss_and_grads_fn, params, scales, micro):
-    """Mean loss and gradients over the leading axis of micro, one entry at a time; the
-    largest amaxes."""
-    def accumulate(carry, entry):
-      (total, (total_grads, top)), (loss, (grads, amaxes)) = carry, loss_and_grads_fn(
-          params, scales, entry)
-      return (total + loss, (jax.tree.map(jnp.add, total_grads, grads),
-                             jax.tree.map(jnp.maximum, top, amaxes))), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (params, scales)))
-    with jax.named_scope(GRAD_ACCUMULATION_SCOPE):
-      (loss, (grads, amaxes)), _ = jax.lax.scan(accumulate, zeros, micro)
-    n = jax.tree.leaves(micro)[0].shape[0]
-    return loss / n, (jax.tree.map(lambda x: x / n, grads), amaxes)
-
-  def replica_loss_and_grads(params, scales, rows):
-    # rows [B/R, T]: one data-parallel replica's share; its micro-batches [M, mb, T] run
-    # through the pipeline in `passes` passes of M' = M / passes.
-    micro = jax.tree.map(lambda x: x.reshape(passes, per_pass, *x.shape[1:]), split(rows))
-    grad_fn = loss_and_grads_of(pipelined_loss_fn)
-    if passes == 1:
-      return grad_fn(params, scales, jax.tree.map(lambda x: x[0], micro))
-    return accumulated(grad_fn, params, scales, micro)
-
-  def one_f_one_b_loss_and_grads(params, scales, rows):
-    # rows [B/R, T]: one data-parallel replica's share, its micro-batches [M, mb, T]
-    # through the 1F1B schedule, which runs the backward pass itself: the embedding and
-    # the layers' casts before it are differentiated here with jax.vjp, the head in it.
-    micro = split(rows)
-    group_targets = micro["targets"].reshape(-1, stages, *micro["targets"].shape[1:])
-    rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
-
-    def front(params):
-      model = nnx.merge(graphdef, params)
-      # Every rank embeds the micro-batches itself (only rank 0 reads them): embedded once,
-      # they were all-reduced over `pipeline`, and their gradients too (512 H100 as
-      # published: 2 x 1.6 GB, 0.1 s a step).
-      tokens = pipeline.pin(jnp.broadcast_to(micro["inputs"], (stages, *micro["inputs"].shape)))
-      with rules.vmapped(pipeline.MESH_AXIS):
-        x = jax.vmap(jax.vmap(model.embed), spmd_axis_name=pipeline.MESH_AXIS)(tokens)  # [P, M, ...]
-      return x, model.layer_params(scales)
-
-    (x, layer_params), front_vjp = jax.vjp(front, params)
-    weights, casts, layer_scales = fp8.split_casts(layer_params)
-
-    def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
-      def group_loss(rest, ys):
-        model = nnx.merge(graphdef, nnx.State({**rest, "layers": params["layers"]}))
-        logits = jax.vmap(model.head, spmd_axis_name=pipeline.MESH_AXIS)(ys)
-        return cross_entropy(logits, group_targets[group]) * stages / micro_batches
-      loss, vjp = jax.vjp(group_loss, rest, ys)
-      d_rest, d_ys = vjp(jnp.ones_like(loss))
-      return loss, d_ys, d_rest
-
-    loss, d_weights, amaxes, d_x, d_rest = one_f_one_b.run(
-        lambda x, w, s, c: run_layers(model_cfg, x, fp8.with_casts(w, c, s), unroll=True),
-        weights, layer_scales, casts, x, head, stages, virtual, residual_axes(model_cfg))
-    zeros = jax.tree.map(jnp.zeros_like, (casts, layer_scales))
-    grads = front_vjp((d_x, fp8.with_casts(d_weights, *zeros)))[0]
-    head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
-    return loss, (jax.tree_util.tree_map_with_path(
-        lambda path, g: g + head_grads[path] if path in head_grads else g, grads), amaxes)
-
-  def loss_and_grads(params, scales, batch):
-    """(loss, (gradients, amaxes)) of the global batch."""
-    if pipelined:
-      # Each replica accumulates its own gradients (vmapped with the weights unbatched:
-      # its gradients come out per replica, sharded over `data`) through every pipeline
-      # trip and pass; the mean over replicas, one reduction over `data`, comes after.
-      replicas = mesh.shape["data"]
-      rows = jax.tree.map(lambda x: x.reshape(replicas, -1, x.shape[-1]), batch)  # [R, B/R, T]
-      with rules.vmapped("data"):
-        replica = (one_f_one_b_loss_and_grads if pipeline_schedule == "1f1b"
-                   else replica_loss_and_grads)
-        loss, (grads, amaxes) = jax.vmap(replica, in_axes=(None, None, 0),
-                                         spmd_axis_name="data")(params, scales, rows)
-      # Summed in the gradients' own dtype, as the reduction over `data` runs (jnp.sum
-      # would convert bfloat16 to float32 first and all-reduce twice the bytes).
-      over_replicas = lambda op: lambda x: jax.lax.reduce(x, jnp.zeros((), x.dtype), op, (0,))
-      mean = lambda x: over_replicas(jax.lax.add)(x) / replicas
-      return mean(loss), (jax.tree.map(mean, grads),
-                          jax.tree.map(over_replicas(jax.lax.max), amaxes))
-    if micro_batches == 1:
-      return loss_and_grads_of(loss_fn)(params, scales, batch)
-    return accumulated(loss_and_grads_of(loss_fn), params, scales, split(batch))
+  # (params, scales, batch) -> (loss, (gradients, amaxes)) of the global batch.
+  loss_and_grads = gradients.strategy(plan, loss_pieces(model_cfg, graphdef))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     history = {name: h[...] for name, h in state.fp8_history.items()}
@@ -261,4 +157,4 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
                    out_shardings=(state_shardings, replicated), donate_argnums=0),
       abstract_state=abstract_state,
       batch_sharding=batch_sharding,
-      micro_batches=micro_batches)
+      micro_batches=plan.micro_batches)

@@ -1,0 +1,249 @@
+"""The gradient strategies: one step's loss, gradients and FP8 amaxes of a batch.
+
+Every strategy is a `LossAndGrads`, (params, scales, batch) -> (loss, (grads, amaxes)),
+built by `strategy(plan, pieces)` from a `Plan` (how the batch is split and which
+schedule runs it) and the model's `LossPieces` (its loss as functions of its parameters,
+which the train step passes in: this layer does not import the model). The train step
+jits whichever it gets and never branches on the schedule.
+
+- plain: the whole batch differentiated at once;
+- accumulated: the batch as M micro-batches, differentiated one at a time in a loop
+  (name scope ACCUMULATION_SCOPE);
+- lockstep (train.pipeline_schedule gpipe / interleaved): each data-parallel replica's
+  micro-batches through pipeline.run, differentiated by autodiff, in `passes` passes
+  accumulated as above;
+- 1f1b: each replica's micro-batches through one_f_one_b.run, which runs the layers'
+  backward itself; the embedding is differentiated around it, the head inside it.
+
+scales are FP8 delayed scaling's {kernel: (input scales [L], gradient scales [L])} ({}
+otherwise), differentiated with params: their cotangents are the amaxes observed, and
+where gradients are summed (over micro-batches, passes, 1F1B trips, replicas) the amaxes
+are maximised. Autodiff of the lockstep loops would sum them, so the lockstep schedules
+refuse delayed scaling (`check_scales`).
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from errors import UserInputError
+from parallelism import one_f_one_b, pipeline, rules
+
+# Name scope of the gradient-accumulation loop. It survives into the optimized HLO as the
+# while op's metadata op_name (".../grad_accumulation/while"), which is how the projection
+# finds the loop whose trip count is the number of micro-batches (or passes).
+ACCUMULATION_SCOPE = "grad_accumulation"
+DATA_AXIS = "data"
+
+Params = Any  # the model's parameter tree
+Scales = dict  # {kernel: (input scales [L], gradient scales [L])}, {} without delayed scaling
+Batch = dict  # {"inputs", "targets"}: int32 [B, T]
+LossAndGrads = Callable[[Params, Scales, Batch], tuple[jax.Array, tuple[Params, Scales]]]
+
+
+class LossPieces(NamedTuple):
+  """A model's loss as the functions of its parameters that the strategies compose.
+
+  The whole model is head(run_layers(embed(tokens), stack(scales))); b sequences of T
+  tokens, width D, vocabulary V, L stacked layers.
+  """
+
+  embed: Callable[[Params, jax.Array], jax.Array]  # (params, tokens [b, T]) -> x [b, T, D]
+  # (params, scales) -> the layer stack [L, ...] as run_layers reads it (FP8 casts included)
+  stack: Callable[[Params, Scales], Any]
+  # (x, stack, chunk=None, unroll=False) -> x: every layer of the stack, or with
+  # chunk = (first, count) its rows first .. first + count - 1 (sliced inside the remat
+  # boundary); unroll: the layer loop unrolled
+  run_layers: Callable[..., jax.Array]
+  head: Callable[[Params, jax.Array], jax.Array]  # (params, x [b, T, D]) -> logits [b, T, V]
+  loss: Callable[[jax.Array, jax.Array], jax.Array]  # (logits [..., V], targets [...]) -> mean
+  split_params: Callable[[Params], tuple[Params, Any]]  # params -> (the rest, the layer stack)
+  join_params: Callable[[Params, Any], Params]  # the inverse of split_params
+  # stack -> (weights to differentiate, constants (FP8 casts), scales) and its inverse
+  split_stack: Callable[[Any], tuple[Any, Any, Any]]
+  join_stack: Callable[[Any, Any, Any], Any]
+  activation_axes: Sequence[str | None]  # logical axes of x [b, T, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one step's batch is split and scheduled."""
+
+  schedule: str  # train.pipeline_schedule: gpipe, interleaved or 1f1b (pipelined only)
+  stages: int  # mesh pipeline; 1: not pipelined
+  virtual_stages: int
+  replicas: int  # mesh data: pipelined, each replica runs its own pipeline
+  micro_batches: int  # per data-parallel replica
+  passes: int  # lockstep pipeline passes; 1 otherwise
+
+  @property
+  def pipelined(self) -> bool:
+    return self.stages > 1
+
+
+def check_scales(schedule: str, stages: int, delayed_scaling: bool) -> None:
+  """FP8 delayed scaling, pipelined, needs the 1f1b schedule: autodiff of the lockstep
+  loops (parallelism/pipeline.py) would sum the micro-batches' amaxes, not keep the largest."""
+  if stages > 1 and delayed_scaling and schedule != "1f1b":
+    raise UserInputError("model.fp8_amax_history > 0 (delayed scaling) needs "
+                         "train.pipeline_schedule = 1f1b when pipelined, got "
+                         f"{schedule!r}")
+
+
+def plan(num_layers: int, stages: int, virtual_stages: int, replicas: int, micro_batches: int,
+         schedule: str, passes: int) -> Plan:
+  """The plan of a step; bad pipeline shapes raise UserInputError naming the field.
+  passes: train.pipeline_passes (0: pipeline.passes chooses)."""
+  if stages == 1:
+    return Plan(schedule, stages, virtual_stages, replicas, micro_batches, 1)
+  passes = pipeline.passes(passes, micro_batches, stages, schedule)
+  pipeline.check(num_layers, stages, virtual_stages, micro_batches, passes, schedule)
+  return Plan(schedule, stages, virtual_stages, replicas, micro_batches, passes)
+
+
+def strategy(plan: Plan, pieces: LossPieces) -> LossAndGrads:
+  """The plan's strategy (see the module docstring)."""
+  if plan.pipelined:
+    replica = _one_f_one_b if plan.schedule == "1f1b" else _lockstep
+    return _over_replicas(replica(plan, pieces), plan.replicas)
+  plain = _loss_and_grads(_whole_model_loss(pieces))
+  if plan.micro_batches == 1:
+    return plain
+  return lambda params, scales, batch: accumulated(
+    plain, params, scales, split(batch, plan.micro_batches))
+
+
+def split(batch: Batch, micro_batches: int) -> Batch:
+  """[B, T] -> [M, B/M, T]. Reshaped to [B/M, M, T] first, which keeps each device's rows
+  on it (rows are sharded in contiguous blocks); the micro-batch index then moves to the
+  front."""
+  return jax.tree.map(lambda x: x.reshape(-1, micro_batches, x.shape[-1]).swapaxes(0, 1),
+                      batch)
+
+
+def accumulated(loss_and_grads: LossAndGrads, params: Params, scales: Scales,
+                micro: Batch) -> tuple[jax.Array, tuple[Params, Scales]]:
+  """Mean loss and gradients over the leading axis of micro, one entry at a time; the
+  largest amaxes."""
+  def accumulate(carry, entry):
+    (total, (total_grads, top)), (loss, (grads, amaxes)) = carry, loss_and_grads(
+      params, scales, entry)
+    return (total + loss, (jax.tree.map(jnp.add, total_grads, grads),
+                           jax.tree.map(jnp.maximum, top, amaxes))), None
+
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (params, scales)))
+  with jax.named_scope(ACCUMULATION_SCOPE):
+    (loss, (grads, amaxes)), _ = jax.lax.scan(accumulate, zeros, micro)
+  n = jax.tree.leaves(micro)[0].shape[0]
+  return loss / n, (jax.tree.map(lambda x: x / n, grads), amaxes)
+
+
+def _loss_and_grads(loss_fn: Callable[[Params, Scales, Batch], jax.Array]) -> LossAndGrads:
+  return jax.value_and_grad(loss_fn, argnums=(0, 1))
+
+
+def _whole_model_loss(pieces: LossPieces) -> Callable[[Params, Scales, Batch], jax.Array]:
+  def loss_fn(params, scales, batch):
+    x = pieces.embed(params, batch["inputs"])
+    logits = pieces.head(params, pieces.run_layers(x, pieces.stack(params, scales)))
+    return pieces.loss(logits, batch["targets"])
+
+  return loss_fn
+
+
+def _over_replicas(replica: LossAndGrads, replicas: int) -> LossAndGrads:
+  """replica (one data-parallel replica's rows [B/R, T]) over the R replicas of mesh
+  `data`, vmapped with the weights unbatched: each replica's gradients build up locally
+  through every pipeline trip and pass and come out per replica, sharded over `data`;
+  the mean over replicas, one reduction over `data`, comes after."""
+  # Summed in the gradients' own dtype, as the reduction over `data` runs (jnp.sum would
+  # convert bfloat16 to float32 first and all-reduce twice the bytes).
+  over = lambda op: lambda x: jax.lax.reduce(x, jnp.zeros((), x.dtype), op, (0,))
+  mean = lambda x: over(jax.lax.add)(x) / replicas
+
+  def loss_and_grads(params, scales, batch):
+    rows = jax.tree.map(lambda x: x.reshape(replicas, -1, x.shape[-1]), batch)  # [R, B/R, T]
+    with rules.vmapped(DATA_AXIS):
+      loss, (grads, amaxes) = jax.vmap(replica, in_axes=(None, None, 0),
+                                       spmd_axis_name=DATA_AXIS)(params, scales, rows)
+    return mean(loss), (jax.tree.map(mean, grads), jax.tree.map(over(jax.lax.max), amaxes))
+
+  return loss_and_grads
+
+
+def _lockstep(plan: Plan, pieces: LossPieces) -> LossAndGrads:
+  """One replica's micro-batches [M, mb, T] through pipeline.run in passes of M' = M /
+  passes, each differentiated by autodiff of the pipeline loop."""
+  stages, virtual, passes = plan.stages, plan.virtual_stages, plan.passes
+  per_pass = plan.micro_batches // passes
+  # The head's micro-batches split over the stages, which would otherwise all repeat it.
+  spread = pipeline.MESH_AXIS if per_pass % stages == 0 else None
+
+  def pass_loss(params, scales, micro):  # micro [M', mb, T]
+    x = jax.vmap(lambda tokens: pieces.embed(params, tokens))(micro["inputs"])
+    x = pipeline.run(pieces.run_layers, pieces.stack(params, scales), x, stages, virtual)
+    logits = jax.vmap(lambda y: pieces.head(params, y), spmd_axis_name=spread)(x)
+    return pieces.loss(logits, micro["targets"])
+
+  pass_grads = _loss_and_grads(pass_loss)
+
+  def replica(params, scales, rows):  # rows [B/R, T]
+    micro = jax.tree.map(lambda x: x.reshape(passes, per_pass, *x.shape[1:]),
+                         split(rows, plan.micro_batches))
+    if passes == 1:
+      return pass_grads(params, scales, jax.tree.map(lambda x: x[0], micro))
+    return accumulated(pass_grads, params, scales, micro)
+
+  return replica
+
+
+def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
+  """One replica's micro-batches [M, mb, T] through the 1F1B schedule, which runs the
+  layers' backward itself: the embedding and the layers' FP8 casts before it are
+  differentiated here with jax.vjp, the head inside it, group by group."""
+  stages, virtual, micro_batches = plan.stages, plan.virtual_stages, plan.micro_batches
+  axis = pipeline.MESH_AXIS
+
+  def chunk(x, weights, scales, constants):
+    return pieces.run_layers(x, pieces.join_stack(weights, constants, scales), unroll=True)
+
+  def replica(params, scales, rows):  # rows [B/R, T]
+    micro = split(rows, micro_batches)
+    group_targets = micro["targets"].reshape(-1, stages, *micro["targets"].shape[1:])
+    rest, layers = pieces.split_params(params)
+
+    def front(params):
+      # Every rank embeds the micro-batches itself (only rank 0 reads them): embedded once,
+      # they were all-reduced over `pipeline`, and their gradients too (512 H100 as
+      # published: 2 x 1.6 GB, 0.1 s a step).
+      tokens = pipeline.pin(jnp.broadcast_to(micro["inputs"], (stages, *micro["inputs"].shape)))
+      with rules.vmapped(axis):
+        embed = lambda tokens: pieces.embed(params, tokens)
+        x = jax.vmap(jax.vmap(embed), spmd_axis_name=axis)(tokens)  # [P, M, mb, T, D]
+      return x, pieces.stack(params, scales)
+
+    (x, stack), front_vjp = jax.vjp(front, params)
+    weights, constants, stack_scales = pieces.split_stack(stack)
+
+    def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
+      def group_loss(rest, ys):
+        whole = pieces.join_params(rest, layers)
+        logits = jax.vmap(lambda y: pieces.head(whole, y), spmd_axis_name=axis)(ys)
+        return pieces.loss(logits, group_targets[group]) * stages / micro_batches
+
+      loss, vjp = jax.vjp(group_loss, rest, ys)
+      d_rest, d_ys = vjp(jnp.ones_like(loss))
+      return loss, d_ys, d_rest
+
+    loss, d_weights, amaxes, d_x, d_rest = one_f_one_b.run(
+      chunk, weights, stack_scales, constants, x, head, stages, virtual, pieces.activation_axes)
+    zeros = jax.tree.map(jnp.zeros_like, (constants, stack_scales))
+    grads = front_vjp((d_x, pieces.join_stack(d_weights, *zeros)))[0]
+    head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
+    return loss, (jax.tree_util.tree_map_with_path(
+      lambda path, g: g + head_grads[path] if path in head_grads else g, grads), amaxes)
+
+  return replica
