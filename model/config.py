@@ -1,7 +1,14 @@
-"""Model configuration and the GPT-3 family's sizes.
+"""Model configuration and the sizes of the GPT-3 and Llama 3 families.
 
-Sizes are Table 2.1 of Brown et al. 2020, "Language Models are Few-Shot Learners"
-(arXiv:2005.14165): layers, d_model, heads and head size, context 2048.
+One decoder (model/gpt.py) serves both; the fields `norm`, `positions`, `mlp`,
+`num_kv_heads`, `use_bias` say which of its parts a model uses, and their defaults are
+GPT-3's. GPT-3 sizes are Table 2.1 of Brown et al. 2020, "Language Models are Few-Shot
+Learners" (arXiv:2005.14165): layers, d_model, heads and head size, context 2048.
+Llama 3 sizes are Table 3 of Meta's "The Llama 3 Herd of Models" (arXiv:2407.21783)
+and the params.json / config.json Meta publishes with each model (huggingface.co/meta-llama,
+github.com/meta-llama/llama-models): RMSNorm, rotary positions (theta 500,000, with
+Llama 3.1's frequency scaling), SwiGLU, grouped-query attention with 8 key/value heads,
+no biases, a 128,256-token vocabulary.
 """
 
 import dataclasses
@@ -16,6 +23,13 @@ DTYPES = ("float32", "bfloat16")
 # cuDNN's fused flash attention (jax.nn.dot_product_attention), NVIDIA GPUs only - what
 # the published GPT-3 runs use (Transformer Engine); for GPU runs and GPU projections.
 ATTENTION = ("xla", "cudnn")
+NORMS = ("layernorm", "rmsnorm")
+# learned: a trained position table added to the token embedding (GPT); rope: rotary
+# embeddings applied to queries and keys in every layer (Su et al. 2021, arXiv:2104.09864).
+POSITIONS = ("learned", "rope")
+# gelu: fc1 [D, F], GELU, fc2 [F, D] (GPT); swiglu: gate and up [D, 2, F], silu(gate) x up,
+# down [F, D] (Shazeer 2020, arXiv:2002.05202; Llama).
+MLPS = ("gelu", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +59,42 @@ class ModelConfig:
   # With fp8: 0 scales activations and gradients by their own amax (current scaling);
   # N > 0 by the largest amax of the last N steps (delayed scaling, model/fp8.py).
   fp8_amax_history: int = 0
+  norm: str = "layernorm"  # one of NORMS
+  norm_eps: float = 1e-5
+  positions: str = "learned"  # one of POSITIONS
+  mlp: str = "gelu"  # one of MLPS
+  # Feed-forward width F; 0: 4 x d_model (GPT-3).
+  ffn_dim: int = 0
+  # Key/value heads; 0: as many as num_heads (multi-head attention, one fused QKV kernel).
+  # Fewer: grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245), each K/V head
+  # shared by num_heads / num_kv_heads query heads, with separate Q and KV kernels.
+  num_kv_heads: int = 0
+  # Biases on every matmul and on the norms (GPT); Llama has none.
+  use_bias: bool = True
+  # Rotary positions (positions = rope): the base of the frequencies, and Llama 3.1's
+  # scaling of them (rope_scale_factor 1: none). Frequencies whose wavelength exceeds
+  # rope_original_seq_len / rope_low_freq_factor are divided by the factor, those shorter
+  # than rope_original_seq_len / rope_high_freq_factor kept, those between interpolated
+  # (model/rope.py).
+  rope_theta: float = 10000.0
+  rope_scale_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_seq_len: int = 8192
 
   @property
   def d_ff(self) -> int:
-    return 4 * self.d_model
+    return self.ffn_dim or 4 * self.d_model
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads (num_kv_heads, or num_heads when it is 0)."""
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def grouped_query(self) -> bool:
+    """Fewer K/V heads than query heads: separate Q and KV kernels (model/gpt.py)."""
+    return self.kv_heads < self.num_heads
 
   @property
   def delayed_scaling(self) -> bool:
@@ -64,6 +110,30 @@ class ModelConfig:
                   "vocab_size", "vocab_multiple"):
       if getattr(self, field) < 1:
         raise UserInputError(f"model.{field} must be a positive integer, got {getattr(self, field)}")
+    for field in ("ffn_dim", "num_kv_heads"):
+      if getattr(self, field) < 0:
+        raise UserInputError(f"model.{field} must be 0 (the default) or a positive integer, "
+                             f"got {getattr(self, field)}")
+    if self.num_heads % self.kv_heads:
+      raise UserInputError(f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads "
+                           f"= {self.num_heads} (each K/V head serves a group of query heads)")
+    for field, allowed in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+      if getattr(self, field) not in allowed:
+        raise UserInputError(f"model.{field} must be one of {', '.join(allowed)}, "
+                             f"got {getattr(self, field)!r}")
+    if self.positions == "rope":
+      if self.head_dim % 2:
+        raise UserInputError(f"model.head_dim = {self.head_dim} must be even with rotary "
+                             "positions (they rotate pairs of entries)")
+      if not (self.rope_theta > 1 and self.rope_scale_factor >= 1 and self.rope_original_seq_len >= 1
+              and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+        raise UserInputError("model.rope_*: need rope_theta > 1, rope_scale_factor >= 1, "
+                             "rope_original_seq_len >= 1 and 0 < rope_low_freq_factor < "
+                             f"rope_high_freq_factor, got {self.rope_theta}, "
+                             f"{self.rope_scale_factor}, {self.rope_original_seq_len}, "
+                             f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
+    if not self.norm_eps > 0:
+      raise UserInputError(f"model.norm_eps must be positive, got {self.norm_eps}")
     if self.fp8_amax_history < 0:
       raise UserInputError("model.fp8_amax_history must be 0 (current scaling) or a positive "
                            f"number of steps, got {self.fp8_amax_history}")
@@ -83,6 +153,24 @@ def _gpt3(name: str, layers: int, d_model: int, heads: int, head_dim: int) -> Mo
                      compute_dtype="bfloat16")
 
 
+def _llama3(name: str, layers: int, d_model: int, heads: int, ffn_dim: int, tied: bool,
+            rope_scale_factor: float) -> ModelConfig:
+  return ModelConfig(name=name, num_layers=layers, d_model=d_model, num_heads=heads,
+                     head_dim=d_model // heads, num_kv_heads=8, ffn_dim=ffn_dim,
+                     seq_len=8192, vocab_size=128256, tie_embeddings=tied,
+                     compute_dtype="bfloat16", **LLAMA3_ARCHITECTURE,
+                     rope_scale_factor=rope_scale_factor)
+
+
+# What every Llama 3 size shares (Meta's params.json: norm_eps 1e-5, rope_theta 500000,
+# use_scaled_rope; config.json rope_scaling: low_freq_factor 1, high_freq_factor 4,
+# original_max_position_embeddings 8192). Pre-training runs at 8,192 tokens
+# (arXiv:2407.21783, section 3.4).
+LLAMA3_ARCHITECTURE = dict(norm="rmsnorm", norm_eps=1e-5, positions="rope", mlp="swiglu",
+                           use_bias=False, rope_theta=500000.0, rope_low_freq_factor=1.0,
+                           rope_high_freq_factor=4.0, rope_original_seq_len=8192)
+
+
 # Table 2.1 of the GPT-3 paper. Its 13B row says d_model 5140 with 40 heads of 128;
 # 40 x 128 = 5120, the width every reimplementation (Megatron, NeMo) uses.
 PRESETS: dict[str, ModelConfig] = {
@@ -95,6 +183,17 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt3-6.7b": _gpt3("gpt3-6.7b", 32, 4096, 32, 128),
     "gpt3-13b": _gpt3("gpt3-13b", 40, 5120, 40, 128),
     "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96, 128),
+    # Llama 3.1 (arXiv:2407.21783 Table 3; rope scale factor 8) and 3.2 (Meta's Llama 3.2
+    # model cards and config.json: tied embeddings, rope scale factor 32).
+    "llama3.1-8b": _llama3("llama3.1-8b", 32, 4096, 32, 14336, False, 8.0),
+    "llama3.1-70b": _llama3("llama3.1-70b", 80, 8192, 64, 28672, False, 8.0),
+    "llama3.1-405b": _llama3("llama3.1-405b", 126, 16384, 128, 53248, False, 8.0),
+    "llama3.2-1b": _llama3("llama3.2-1b", 16, 2048, 32, 8192, True, 32.0),
+    "llama3.2-3b": _llama3("llama3.2-3b", 28, 3072, 24, 8192, True, 32.0),
+    # The Llama architecture at test size: 4 query heads sharing 2 K/V heads.
+    "llama3-tiny": ModelConfig(name="llama3-tiny", num_kv_heads=2, ffn_dim=160, vocab_size=256,
+                               tie_embeddings=False,
+                               **LLAMA3_ARCHITECTURE, rope_scale_factor=8.0),
 }
 
 

@@ -4,41 +4,65 @@ Model FLOPs per token of a training step (forward + backward, no recomputation):
 
     6 * N_matmul  +  6 * L * T * H * K
 
-N_matmul counts the weights that take part in a matmul: per layer the QKV, output
-and two MLP kernels (12 * D^2 for K * H = D), plus the V x D output projection, which
-is the token embedding when tied. Each weight costs 2 FLOPs per token forward and 4
-backward: 6N (Kaplan et al. 2020, arXiv:2001.08361, section 2.1).
+N_matmul counts the weights that take part in a matmul: per layer
+
+    D * (H + 2G) * K      the Q, K and V projections (G = H without grouped-query
+                          attention: 3 * D * H * K)
+    H * K * D             the attention output projection
+    m * D * F             the MLP: m = 2 for GELU (fc1, fc2), 3 for SwiGLU (gate, up, down)
+
+(12 * D^2 for GPT-3, with K * H = D and F = 4D), plus the V x D output projection, which
+is the token embedding when tied (the input embedding is a lookup, no matmul). Each
+weight costs 2 FLOPs per token forward and 4 backward: 6N (Kaplan et al. 2020,
+arXiv:2001.08361, section 2.1).
 
 The attention term: per layer and token, Q.K^T and probs.V each take 2 * T * H * K
 FLOPs forward over the full T x T square, 4 * T * H * K in all, times 3 for
 forward + backward = 12 * T * H * K. Causal attention only needs the lower triangle,
-so it is counted once (half the square): 6 * L * T * H * K. NVIDIA's NeMo and
-Megatron-LM count the full square, which makes their GPT-3 175B figure about 1.4%
-larger than this one.
+so it is counted once (half the square): 6 * L * T * H * K. Grouped-query attention
+shares K and V between query heads but every query head still scores every key, so
+the term counts H, not G. NVIDIA's NeMo and Megatron-LM count the full square, which
+makes their GPT-3 175B figure about 1.4% larger than this one.
 
-Recomputation (remat) is not model FLOPs: MFU deliberately ignores it.
+Llama 3.1 405B at T = 8,192 (D 16,384, L 126, H 128, G 8, K 128, F 53,248, V 128,256):
+N_matmul = 403.8e9 (of the 405.9e9 parameters, less the 2.1e9 input embedding and the
+norms), 6N = 2.42e12, attention 6LTHK = 0.10e12, 2.52e12 FLOPs per token.
+
+Recomputation (remat) is not model FLOPs: MFU deliberately ignores it. Rotary
+positions, norms and SwiGLU's product are elementwise, not counted.
 """
 
 from model.config import ModelConfig
 
 
+def _mlp_matrices(cfg: ModelConfig) -> int:
+  """D x F matrices of the MLP: fc1 and fc2 (GELU), gate, up and down (SwiGLU)."""
+  return 3 if cfg.mlp == "swiglu" else 2
+
+
 def param_count(cfg: ModelConfig) -> int:
-  """Every parameter, embeddings and biases included."""
+  """Every parameter, embeddings, norms and biases included (model/gpt.py's shapes)."""
   L, D, H, K, F, V = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim,
                       cfg.d_ff, cfg.padded_vocab)
-  per_layer = (2 * D            # ln1
-               + D * 3 * H * K + 3 * H * K   # qkv
-               + H * K * D + D  # attention output
-               + 2 * D          # ln2
-               + D * F + F + F * D + D)      # mlp
-  embeddings = V * D + cfg.seq_len * D + (0 if cfg.tie_embeddings else D * V)
-  return L * per_layer + embeddings + 2 * D
+  qkv_heads = H + 2 * cfg.kv_heads
+  m = _mlp_matrices(cfg)
+  # A norm has a scale [D], and a LayerNorm with biases a shift [D] too.
+  norm = D * (2 if cfg.use_bias and cfg.norm == "layernorm" else 1)
+  biases = (qkv_heads * K + D + (m - 1) * F + D) if cfg.use_bias else 0
+  per_layer = 2 * norm + D * qkv_heads * K + H * K * D + m * D * F + biases
+  positions = cfg.seq_len * D if cfg.positions == "learned" else 0
+  embeddings = V * D + positions + (0 if cfg.tie_embeddings else D * V)
+  return L * per_layer + embeddings + norm
+
+
+def layer_matmul_param_count(cfg: ModelConfig) -> int:
+  """One layer's matmul weights: Q/K/V, attention output and MLP."""
+  D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
+  return D * (H + 2 * cfg.kv_heads) * K + H * K * D + _mlp_matrices(cfg) * D * F
 
 
 def matmul_param_count(cfg: ModelConfig) -> int:
-  L, D, H, K, F, V = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim,
-                      cfg.d_ff, cfg.padded_vocab)
-  return L * (D * 3 * H * K + H * K * D + 2 * D * F) + V * D
+  return cfg.num_layers * layer_matmul_param_count(cfg) + cfg.padded_vocab * cfg.d_model
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
@@ -60,8 +84,10 @@ def matmul_flops_per_step(cfg: ModelConfig, global_batch: int) -> float:
     remat     "none": nothing more. "save_dots": the attention matmuls (Q.K^T and
               probs.V have batch dimensions, so the policy does not save them) are
               recomputed, + 4 * L * T * H * K. "full": each layer's forward is recomputed
-              except fc2, whose output only feeds the residual sum that the backward
-              pass does not need (XLA drops it): + 2 * L * (3DHK + HKD + DF) + 4 * L * T * H * K.
+              except fc2 (down), whose output only feeds the residual sum that the
+              backward pass does not need (XLA drops it):
+              + 2 * L * (N_layer - DF) + 4 * L * T * H * K, N_layer a layer's matmul
+              weights (3DHK + HKD + 2DF for GPT-3).
 
   Equal to projection/hlo.py's dot FLOPs of compiled steps: GPT-3 175B with full remat
   on H100 and a small model with save_dots on CPU (tests/test_projection.py); small
@@ -73,5 +99,5 @@ def matmul_flops_per_step(cfg: ModelConfig, global_batch: int) -> float:
   forward = 2 * matmul_param_count(cfg) + attention
   recompute = {"none": 0,
                "save_dots": attention,
-               "full": 2 * L * (3 * D * H * K + H * K * D + D * F) + attention}[cfg.remat]
+               "full": 2 * L * (layer_matmul_param_count(cfg) - D * F) + attention}[cfg.remat]
   return float(3 * forward + recompute) * global_batch * T

@@ -1,13 +1,17 @@
-"""A GPT-3 style decoder in Flax NNX.
+"""The decoder in Flax NNX: the GPT-3 and Llama 3 families as configuration of one model.
 
-Learned positions, pre-LayerNorm, GELU MLP of width 4 x d_model, causal multi-head
-attention. The layers are one stacked set of parameters (leading axis `layers`, or
-`stage` when pipelined: parallelism/pipeline.py runs them then) run by `jax.lax.scan`,
-so compile time does not grow with depth. Every parameter carries its logical axis names
-in the `axes` metadata; parallelism/rules.py maps them to the mesh.
+GPT-3 (the ModelConfig defaults): learned positions, pre-LayerNorm, GELU MLP of width
+4 x d_model, causal multi-head attention with one fused QKV kernel, biases everywhere.
+Llama 3 (model/config.py LLAMA3_ARCHITECTURE): RMSNorm, rotary positions (model/rope.py),
+SwiGLU MLP (gate and up one [D, 2, F] kernel, as Megatron-Core's fused linear_fc1, then
+down), grouped-query attention with separate Q [D, H, K] and KV [D, 2, G, K] kernels, no
+biases. The layers are one stacked set of parameters (leading axis `layers`, or `stage`
+when pipelined: parallelism/pipeline.py runs them then) run by `jax.lax.scan`, so compile
+time does not grow with depth. Every parameter carries its logical axis names in the
+`axes` metadata; parallelism/rules.py maps them to the mesh.
 
-Shapes: B batch, T sequence, D d_model, H heads, K head size, F 4 x D, V padded vocab,
-L layers.
+Shapes: B batch, T sequence, D d_model, H heads, G key/value heads, K head size, F MLP
+width, V padded vocab, L layers.
 """
 
 import functools
@@ -18,10 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from errors import UserInputError
 from model import fp8
 from model import matmul as dense
+from model import rope
 from model.config import ModelConfig
-from parallelism import sequence
+from parallelism import rules, sequence
 from parallelism.rules import constrain
 
 SAVED_NAMES = ("layer_input", "mid_residual", "qkv", "attention", "fc1")
@@ -43,8 +49,15 @@ _REMAT = {
 }
 
 
-# The weight matrices of a block: the matmuls that FP8 runs.
+# The weight matrices of a GPT block: the matmuls that FP8 runs (`kernels` for any model).
 KERNELS = ("qkv_kernel", "out_kernel", "fc1_kernel", "fc2_kernel")
+GROUPED_QUERY_KERNELS = ("q_kernel", "kv_kernel", "out_kernel", "fc1_kernel", "fc2_kernel")
+
+
+def kernels(cfg: ModelConfig) -> tuple[str, ...]:
+  """The block's weight matrices for cfg, the keys of FP8's casts and amax histories:
+  separate Q and KV kernels with grouped-query attention, one QKV kernel otherwise."""
+  return GROUPED_QUERY_KERNELS if cfg.grouped_query else KERNELS
 
 
 def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple, std: float, dtype) -> nnx.Param:
@@ -61,44 +74,89 @@ class Layers(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: str = "layers"):
     L, D, H, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
+    G = cfg.kv_heads
     dt = jnp.dtype(cfg.param_dtype)
     std = 0.02
     # GPT-2/3 scale the residual-branch output projections by 1/sqrt(2L).
     out_std = std / math.sqrt(2 * L)
+    # LayerNorm's shift is a bias too; RMSNorm has none.
+    norm_bias = cfg.use_bias and cfg.norm == "layernorm"
+    # SwiGLU's gate and up projections: one kernel [D, 2, F].
+    fc1_shape, fc1_axes = (((D, 2, F), ("embed", "gate_up", "mlp")) if cfg.mlp == "swiglu"
+                           else ((D, F), ("embed", "mlp")))
     self.ln1_scale = _ones((L, D), (stack, "embed"), dt)
-    self.ln1_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
-    self.qkv_kernel = _param(rngs.params(), (L, D, 3, H, K), (stack, "embed", "qkv", "heads", "kv"), std, dt)
-    self.qkv_bias = _param(None, (L, 3, H, K), (stack, "qkv", "heads", "kv"), 0, dt)
+    if norm_bias:
+      self.ln1_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if cfg.grouped_query:
+      self.q_kernel = _param(rngs.params(), (L, D, H, K), (stack, "embed", "heads", "kv"), std, dt)
+      self.kv_kernel = _param(rngs.params(), (L, D, 2, G, K),
+                              (stack, "embed", "qkv", "kv_heads", "kv"), std, dt)
+      if cfg.use_bias:
+        self.q_bias = _param(None, (L, H, K), (stack, "heads", "kv"), 0, dt)
+        self.kv_bias = _param(None, (L, 2, G, K), (stack, "qkv", "kv_heads", "kv"), 0, dt)
+    else:
+      self.qkv_kernel = _param(rngs.params(), (L, D, 3, H, K), (stack, "embed", "qkv", "heads", "kv"), std, dt)
+      if cfg.use_bias:
+        self.qkv_bias = _param(None, (L, 3, H, K), (stack, "qkv", "heads", "kv"), 0, dt)
     self.out_kernel = _param(rngs.params(), (L, H, K, D), (stack, "heads", "kv", "embed"), out_std, dt)
-    self.out_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if cfg.use_bias:
+      self.out_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
     self.ln2_scale = _ones((L, D), (stack, "embed"), dt)
-    self.ln2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
-    self.fc1_kernel = _param(rngs.params(), (L, D, F), (stack, "embed", "mlp"), std, dt)
-    self.fc1_bias = _param(None, (L, F), (stack, "mlp"), 0, dt)
+    if norm_bias:
+      self.ln2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    self.fc1_kernel = _param(rngs.params(), (L, *fc1_shape), (stack, *fc1_axes), std, dt)
+    if cfg.use_bias:
+      self.fc1_bias = _param(None, (L, *fc1_shape[1:]), (stack, *fc1_axes[1:]), 0, dt)
     self.fc2_kernel = _param(rngs.params(), (L, F, D), (stack, "mlp", "embed"), out_std, dt)
-    self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if cfg.use_bias:
+      self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None,
+               eps: float = 1e-5) -> jax.Array:
   """LayerNorm with statistics in float32 whatever the compute dtype."""
   x32 = x.astype(jnp.float32)
   mean = x32.mean(-1, keepdims=True)
   var = jnp.square(x32 - mean).mean(-1, keepdims=True)
   y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-  return (y * scale + bias).astype(x.dtype)
+  y = y * scale
+  return (y if bias is None else y + bias).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), statistics in float32."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
+  return (y * scale).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, x: jax.Array, p: dict, prefix: str) -> jax.Array:
+  """The norm cfg names, with parameters p[prefix + "_scale"] (and "_bias")."""
+  if cfg.norm == "rmsnorm":
+    return rms_norm(x, p[f"{prefix}_scale"], cfg.norm_eps)
+  return layer_norm(x, p[f"{prefix}_scale"], p.get(f"{prefix}_bias"), cfg.norm_eps)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla") -> jax.Array:
-  """Causal softmax attention. q, k, v: [B, T, H, K] -> [B, T, H, K]; kind as
-  ModelConfig.attention."""
+  """Causal softmax attention. q: [B, T, H, K], k, v: [B, T, G, K] with G dividing H
+  (query head h uses K/V head h // (H / G)) -> [B, T, H, K]; kind as ModelConfig.attention."""
   if kind == "cudnn":
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-  T, K = q.shape[1], q.shape[3]
-  scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
+  B, T, H, K = q.shape
+  G = k.shape[2]
   causal = jnp.tril(jnp.ones((T, T), bool))
+  if G == H:
+    scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
+    scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqt,bthk->bqhk", probs, v)
+  # Grouped: each K/V head meets its H / G query heads in one batched matmul, with no
+  # copy of K and V per query head.
+  q = q.reshape(B, T, G, H // G, K)
+  scores = jnp.einsum("bqgjk,btgk->bgjqt", q, k) / math.sqrt(K)  # [B, G, H/G, T, T]
   scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bhqt,bthk->bqhk", probs, v)
+  return jnp.einsum("bgjqt,btgk->bqgjk", probs, v).reshape(B, T, H, K)
 
 
 def residual_axes(cfg: ModelConfig) -> tuple[str, str, str]:
@@ -107,12 +165,13 @@ def residual_axes(cfg: ModelConfig) -> tuple[str, str, str]:
 
 
 def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-  """One pre-LN transformer block. x: [B, T, D]; p: one layer's parameters.
+  """One pre-norm transformer block. x: [B, T, D]; p: one layer's parameters.
 
-  The constraints mark the tensor-parallel regions: QKV and fc1 outputs are split over
+  The constraints mark the tensor-parallel regions: Q/K/V and fc1 outputs are split over
   heads / MLP width, and the output projections' partial sums return to the residual
   stream's sharding: an all-reduce, or with sequence parallelism a reduce-scatter along
-  the sequence (and the next region's input an all-gather).
+  the sequence (and the next region's input an all-gather). K/V heads fewer than the
+  tensor ranks are replicated (rules.py SPLIT_WHERE_ENOUGH).
   """
   residual = residual_axes(cfg)
   matmul = fp8.einsum if cfg.fp8 else dense.einsum
@@ -122,26 +181,85 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
       return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes, tensor_in_fn=cfg.fp8)
     return constrain(matmul(spec, h, w), out_axes)
 
+  def biased(y, name):
+    return y + p[name] if cfg.use_bias else y
+
   x = checkpoint_name(constrain(x, residual), "layer_input")
-  h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-  # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
-  # made XLA:CPU transpose the kernel and the activations in every layer.
-  qkv_axes = ("batch", "length", "qkv", "act_heads", None)
-  qkv = tensor_parallel("btd,dchk->btchk", h, p["qkv_kernel"], residual,
-                        ("embed", "qkv", "heads", "kv"), qkv_axes)
-  qkv = checkpoint_name(constrain(qkv + p["qkv_bias"], qkv_axes), "qkv")
-  a = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], cfg.attention)
+  h = norm(cfg, x, p, "ln1")
+  if cfg.grouped_query:
+    q, k, v = _grouped_qkv(cfg, h, p, tensor_parallel, biased)
+  else:
+    # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
+    # made XLA:CPU transpose the kernel and the activations in every layer.
+    qkv_axes = ("batch", "length", "qkv", "act_heads", None)
+    qkv = tensor_parallel("btd,dchk->btchk", h, p["qkv_kernel"], residual,
+                          ("embed", "qkv", "heads", "kv"), qkv_axes)
+    qkv = checkpoint_name(constrain(biased(qkv, "qkv_bias"), qkv_axes), "qkv")
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  if cfg.positions == "rope":
+    q, k = rope.rotate(q, cfg), rope.rotate(k, cfg)
+  a = attention(q, k, v, cfg.attention)
   a = checkpoint_name(a, "attention")
-  x = x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"],
-                          ("batch", "length", "act_heads", None), ("heads", "kv", "embed"),
-                          residual) + p["out_bias"]
+  x = biased(x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"],
+                                 ("batch", "length", "act_heads", None), ("heads", "kv", "embed"),
+                                 residual), "out_bias")
   x = checkpoint_name(x, "mid_residual")
-  h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
+  h = norm(cfg, x, p, "ln2")
   mlp_axes = ("batch", "length", "act_mlp")
-  h = tensor_parallel("btd,df->btf", h, p["fc1_kernel"], residual, ("embed", "mlp"), mlp_axes)
-  h = jax.nn.gelu(checkpoint_name(constrain(h + p["fc1_bias"], mlp_axes), "fc1"))
+  if cfg.mlp == "swiglu":
+    gate_up_axes = ("batch", "length", None, "act_mlp")
+    h = tensor_parallel("btd,dcf->btcf", h, p["fc1_kernel"], residual,
+                        ("embed", "gate_up", "mlp"), gate_up_axes)
+    h = checkpoint_name(constrain(biased(h, "fc1_bias"), gate_up_axes), "fc1")
+    h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+  else:
+    h = tensor_parallel("btd,df->btf", h, p["fc1_kernel"], residual, ("embed", "mlp"), mlp_axes)
+    h = jax.nn.gelu(checkpoint_name(constrain(biased(h, "fc1_bias"), mlp_axes), "fc1"))
   h = tensor_parallel("btf,fd->btd", h, p["fc2_kernel"], mlp_axes, ("mlp", "embed"), residual)
-  return x + h + p["fc2_bias"]
+  return biased(x + h, "fc2_bias")
+
+
+def _grouped_qkv(cfg: ModelConfig, h: jax.Array, p: dict, tensor_parallel, biased):
+  """Grouped-query attention's projections: q [B, T, H, K], k and v [B, T, G, K]."""
+  residual = residual_axes(cfg)
+  q_axes = ("batch", "length", "act_heads", None)
+  q = tensor_parallel("btd,dhk->bthk", h, p["q_kernel"], residual, ("embed", "heads", "kv"),
+                      q_axes)
+  q = checkpoint_name(constrain(biased(q, "q_bias"), q_axes), "qkv")
+  # The K/V heads' axes as the mesh splits them: replicated where there are fewer than
+  # tensor ranks (resolved here, since sequence parallelism's shard_map takes the names).
+  w_axes, kv_axes = (_kv_heads_resolved(cfg, axes) for axes in (
+      ("embed", "qkv", "kv_heads", "kv"), ("batch", "length", "qkv", "act_kv_heads", None)))
+  if cfg.sequence_parallel and "act_kv_heads" not in kv_axes:
+    # Every rank needs every K/V head: each computes them for its own sequence shard and
+    # all-gathers the result, 2GK values a token against the D of the normed input that
+    # gathering first would move, and no rank computes another's tokens.
+    matmul = fp8.einsum if cfg.fp8 else dense.einsum
+    kv = matmul("btd,dchk->btchk", h, p["kv_kernel"])
+    kv = constrain(biased(kv, "kv_bias"), ("batch", "act_seq", "qkv", None, None))
+    kv = _gathered(kv, kv_axes)
+  else:
+    kv = tensor_parallel("btd,dchk->btchk", h, p["kv_kernel"], residual, w_axes, kv_axes)
+    kv = biased(kv, "kv_bias")
+  kv = checkpoint_name(constrain(kv, kv_axes), "qkv")
+  return q, kv[:, :, 0], kv[:, :, 1]
+
+
+def _gathered(x: jax.Array, axes: tuple) -> jax.Array:
+  """x resharded to axes. XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters,
+  which the transpose of this all-gather becomes, so on CPU meshes x crosses in float32
+  (as parallelism/sequence.py's collectives do); GPU targets keep the compute dtype."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  wire = jnp.float32 if device is not None and device.platform == "cpu" else x.dtype
+  return constrain(x.astype(wire), axes).astype(x.dtype)
+
+
+def _kv_heads_resolved(cfg: ModelConfig, axes: tuple) -> tuple:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return axes
+  sizes = [cfg.kv_heads if name in rules.SPLIT_WHERE_ENOUGH else 1 for name in axes]
+  return rules.resolve(axes, sizes, mesh.shape)
 
 
 def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array],
@@ -185,10 +303,12 @@ class GPT(nnx.Module):
     self.cfg = cfg
     D, V, dt = cfg.d_model, cfg.padded_vocab, jnp.dtype(cfg.param_dtype)
     self.wte = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02, dt)
-    self.wpe = _param(rngs.params(), (cfg.seq_len, D), ("position", "embed"), 0.01, dt)
+    if cfg.positions == "learned":
+      self.wpe = _param(rngs.params(), (cfg.seq_len, D), ("position", "embed"), 0.01, dt)
     self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers")
     self.lnf_scale = _ones((D,), ("embed",), dt)
-    self.lnf_bias = _param(None, (D,), ("embed",), 0, dt)
+    if cfg.use_bias and cfg.norm == "layernorm":
+      self.lnf_bias = _param(None, (D,), ("embed",), 0, dt)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs.params(), (D, V), ("embed", "vocab"), 0.02, dt)
 
@@ -207,7 +327,14 @@ class GPT(nnx.Module):
     params = {name: self._cast(v) for name, v in vars(self.layers).items()
               if isinstance(v, nnx.Param)}
     if self.cfg.fp8:
-      for name in KERNELS:
+      names = kernels(self.cfg)
+      if scales and set(scales) != set(names):
+        # Delayed scaling's histories are keyed by kernel; histories for another model's
+        # kernels would leave these current-scaled and record nothing.
+        raise UserInputError(f"model.fp8_amax_history: amax histories for {', '.join(sorted(scales))}, "
+                             f"but this model's FP8 kernels are {', '.join(names)}; use "
+                             "model.fp8_amax_history=0 (current scaling)")
+      for name in names:
         w = fp8.cast_weights(params[name], (scales or {}).get(name))
         # A kernel may be stored split over `data` (train.shard_optimizer): its cast is
         # gathered whole, in FP8 (otherwise the constraint changes nothing).
@@ -217,12 +344,17 @@ class GPT(nnx.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] -> the residual stream entering the first layer [B, T, D]."""
-    x = self._token_table()[tokens] + self._cast(self.wpe)[:tokens.shape[1]]
+    x = self._token_table()[tokens]
+    if self.cfg.positions == "learned":
+      x = x + self._cast(self.wpe)[:tokens.shape[1]]
     return constrain(x, residual_axes(self.cfg))
 
   def head(self, x: jax.Array) -> jax.Array:
     """The last layer's output [B, T, D] -> logits [B, T, V] float32."""
-    x = layer_norm(x, self._cast(self.lnf_scale), self._cast(self.lnf_bias))
+    final = {"lnf_scale": self._cast(self.lnf_scale)}
+    if hasattr(self, "lnf_bias"):
+      final["lnf_bias"] = self._cast(self.lnf_bias)
+    x = norm(self.cfg, x, final, "lnf")
     if self.cfg.tie_embeddings:
       logits = jnp.einsum("btd,vd->btv", x, self._token_table())
     else:

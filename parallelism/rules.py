@@ -7,7 +7,8 @@ this table, not the model.
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -19,9 +20,13 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("vocab", "tensor"),      # embedding rows / logits columns: Megatron's vocab-parallel split
     ("embed", "fsdp"),        # ZeRO-3 style: every weight is split over fsdp along d_model
     ("heads", "tensor"),      # attention heads split across tensor-parallel ranks
+    # Grouped-query attention's key/value heads: split like the query heads where there
+    # are at least as many as tensor ranks, replicated otherwise (SPLIT_WHERE_ENOUGH).
+    ("kv_heads", "tensor"),
     ("mlp", "tensor"),        # the 4x hidden width split across tensor-parallel ranks
     ("kv", None),             # head size: never split
-    ("qkv", None),            # the q/k/v selector
+    ("qkv", None),            # the q/k/v selector (k/v with grouped-query attention)
+    ("gate_up", None),        # SwiGLU's gate / up selector
     ("position", None),       # learned position rows
     ("layers", None),         # the scanned layer stack
     ("stage", "pipeline"),    # the same stack when pipelined: contiguous blocks per stage
@@ -34,9 +39,17 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("act_seq", "tensor"),
     ("act_embed", None),
     ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )
+
+# Logical axes split only where the dimension has at least as many entries as the ranks of
+# its mesh axes, and replicated over them otherwise: GQA's K/V heads with more tensor ranks
+# than K/V heads (Megatron-Core replicates them likewise). Every rank then holds every
+# K/V head, and the partitioner sums the replicated kernel's gradient over the ranks, as
+# for any replicated parameter.
+SPLIT_WHERE_ENOUGH = frozenset({"kv_heads", "act_kv_heads"})
 
 _RULES = dict(RULES)
 _VMAPPED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("vmapped", default=frozenset())
@@ -57,6 +70,18 @@ def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
     return ()
   axes = (axes,) if isinstance(axes, str) else axes
   return tuple(a for a in axes if a not in _VMAPPED.get())
+
+
+def resolve(logical_axes: Sequence[str | None], shape: Sequence[int],
+            mesh_shape: Mapping[str, int]) -> tuple[str | None, ...]:
+  """logical_axes of an array of `shape`, each SPLIT_WHERE_ENOUGH axis with fewer entries
+  than the ranks of its mesh axes (mesh_shape: axis -> size) replaced by None."""
+  def keep(name, size):
+    if name not in SPLIT_WHERE_ENOUGH:
+      return True
+    return size >= math.prod(mesh_shape[a] for a in mesh_axes_of(name))
+  return tuple(name if name is None or keep(name, size) else None
+               for name, size in zip(logical_axes, shape))
 
 
 @contextlib.contextmanager
@@ -80,4 +105,5 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical_axes)))
+  axes = resolve(logical_axes, x.shape, mesh.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes)))

@@ -24,8 +24,14 @@ def _axes(x: Any) -> tuple | None:
   return x.get_metadata().get("axes") if _is_variable(x) else None
 
 
-def _sharding(x: Any, mesh: Mesh) -> NamedSharding:
+def _resolved_axes(x: Any, mesh: Mesh) -> tuple | None:
+  """x's logical axes, those its shape cannot split replicated (rules.SPLIT_WHERE_ENOUGH)."""
   axes = _axes(x)
+  return rules.resolve(axes, x.shape, mesh.shape) if axes else axes
+
+
+def _sharding(x: Any, mesh: Mesh) -> NamedSharding:
+  axes = _resolved_axes(x, mesh)
   return NamedSharding(mesh, rules.spec(axes) if axes else PartitionSpec())
 
 
@@ -73,18 +79,29 @@ def over_data(tree: Any, mesh: Mesh) -> Any:
 
 # The configuration field behind each logical parameter axis, for error messages.
 _FIELD_OF_AXIS = {"heads": "model.num_heads", "embed": "model.d_model",
-                  "mlp": "model.d_model x 4 (MLP width)", "vocab": "padded model.vocab_size",
+                  "kv_heads": "model.num_kv_heads",
+                  "mlp": "MLP width (model.ffn_dim, or 4 x model.d_model)",
+                  "vocab": "padded model.vocab_size",
                   "kv": "model.head_dim", "layers": "model.num_layers",
                   "stage": "model.num_layers",
                   "position": "model.seq_len"}
 
 
 def check_divisible(tree: Any, mesh: Mesh) -> None:
-  """Every sharded parameter dimension must split evenly over its mesh axes."""
+  """Every sharded parameter dimension must split evenly over its mesh axes; one that is
+  replicated for want of entries (rules.SPLIT_WHERE_ENOUGH) must divide their ranks
+  (each K/V head then serves the query heads of a whole number of ranks)."""
   def check(x):
     for size, name in zip(x.shape, _axes(x) or ()):
       mesh_axes = rules.mesh_axes_of(name) if name else ()
       ways = math.prod(mesh.shape[a] for a in mesh_axes)
+      if name in rules.SPLIT_WHERE_ENOUGH and size < ways:
+        if ways % size:
+          raise UserInputError(
+              f"{_FIELD_OF_AXIS.get(name, name)} = {size} over mesh {' x '.join(mesh_axes)} = "
+              f"{ways}: the ranks must divide the K/V heads (split) or be a multiple of "
+              "them (replicated)")
+        continue
       if size % ways:
         raise UserInputError(
             f"{_FIELD_OF_AXIS.get(name, name)} = {size} does not divide over mesh "

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from errors import UserInputError
 from model.config import ModelConfig
 from model import fp8
-from model.gpt import GPT, KERNELS, residual_axes, run_layers
+from model.gpt import GPT, kernels, residual_axes, run_layers
 from parallelism import gradients, pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
@@ -101,7 +101,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     if model_cfg.delayed_scaling:
       stack_axis = "stage" if pipelined else "layers"
       history = {name: fp8.new_history(model_cfg.num_layers, model_cfg.fp8_amax_history,
-                                       stack_axis) for name in KERNELS}
+                                       stack_axis) for name in kernels(model_cfg)}
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), history)
 
   data_ways = sharding.data_parallel_ways(mesh)
@@ -127,7 +127,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
       # of gathering the updated bfloat16 kernels; Megatron's --fp8-param-gather).
       params = state_shardings.params
       layers = {**params["layers"], **{name: sharding.over_data(abstract.params["layers"][name],
-                                                                mesh) for name in KERNELS}}
+                                                                mesh) for name in kernels(model_cfg)}}
       state_shardings = state_shardings._replace(params=type(params)({**params, "layers": layers}))
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
   batch_sharding = sharding.batch_sharding(mesh)
