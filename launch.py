@@ -33,12 +33,16 @@ def _projects(argv: list[str]) -> bool:
 
 
 def _host_devices_from_argv(argv: list[str]) -> int:
-  """The host platform is sized before jax starts, so --devices and --mode are read early."""
+  """The host platform is sized before jax starts, so --devices and --mode are read early
+  (a malformed --devices is left for absl to reject)."""
   for arg in argv:
     if arg.startswith("--devices="):
-      value = arg.split("=", 1)[1]
-      if value.isdigit() and int(value) > platform_env.DEFAULT_HOST_DEVICES:
-        return int(value)
+      value = platform_env.whole_number(arg.split("=", 1)[1])
+      if value is not None and value > platform_env.MAX_HOST_DEVICES and not platform_env.has_nvidia_gpu():
+        platform_env.refuse(f"--devices: at most {platform_env.MAX_HOST_DEVICES:,} emulated "
+                            f"CPU devices, got {value:,}")
+      if value is not None and value > platform_env.DEFAULT_HOST_DEVICES:
+        return value
   if _projects(argv):
     return PROJECTION_HOST_DEVICES
   return platform_env.DEFAULT_HOST_DEVICES
@@ -72,6 +76,7 @@ from sweep import runner as sweep_runner
 from sweep import summary as sweep_summary
 from train import hooks as hooks_lib
 from train import loop
+from train import checkpoint as checkpoint_lib
 from train import step as train_step
 from train.checkpoint import Checkpoints
 
@@ -138,15 +143,41 @@ def _devices(wanted: int | None) -> list:
   return available[:wanted]
 
 
+def _capacity_bytes(devices: list) -> int:
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"] * len(devices)
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # host devices share it
+
+
+def _check_activation_memory(exp: experiments.ExperimentConfig, layout: mesh_lib.MeshLayout,
+                             devices: list) -> None:
+  """Refuse a batch or sequence whose activations cannot fit, before building the step
+  (an absurd one would otherwise exhaust the host's memory while compiling or running).
+  The bound is one layer's activations for the sequences in flight, a lower bound
+  whatever the remat policy: s*b*h*(34 + 5*a*s/h) bytes at 16 bits (Korthikanti et al.
+  2022, arXiv:2205.05198, section 4.1), scaled to the compute dtype."""
+  m, t = exp.model, exp.train
+  replicas = layout.sizes["data"] * layout.sizes["fsdp"]
+  sequences = t.global_batch if not t.micro_batch else min(t.global_batch,
+                                                           t.micro_batch * replicas)
+  dtype_bytes = 4 if m.compute_dtype == "float32" else 2
+  one_layer = (m.seq_len * sequences * m.d_model
+               * (34 + 5 * m.num_heads * m.seq_len / m.d_model) * dtype_bytes / 2)
+  capacity = _capacity_bytes(devices)
+  if one_layer > 0.8 * capacity:
+    raise UserInputError(
+        f"train.global_batch x model.seq_len: {sequences:,} sequences of {m.seq_len:,} "
+        f"tokens need at least {one_layer / 1e9:,.0f} GB of activations for one layer, "
+        f"these {len(devices)} devices have {capacity / 1e9:,.0f} GB; use a smaller batch, "
+        f"sequence or train.micro_batch")
+
+
 def _check_memory(program: train_step.TrainProgram, model_name: str, devices: list) -> None:
   """Refuse a model whose parameters and optimizer state cannot fit, before allocating."""
   state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
                     for x in jax.tree.leaves(program.abstract_state))
-  stats = jax.local_devices()[0].memory_stats() or {}
-  if "bytes_limit" in stats:
-    capacity = stats["bytes_limit"] * len(devices)
-  else:  # host devices share the machine's memory
-    capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  capacity = _capacity_bytes(devices)
   if state_bytes > 0.8 * capacity:
     raise UserInputError(
         f"model: {model_name} needs {state_bytes / 1e9:,.0f} GB for parameters and "
@@ -214,7 +245,12 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
     profile = hooks_lib.parse_profile_steps(_PROFILE_STEPS.value,
                                             exp.train.warmup_steps + exp.train.steps)
   devices = _devices(num_devices)
+  if exp.model.attention == "cudnn" and devices[0].platform != "gpu":
+    raise UserInputError(f"model.attention=cudnn runs on NVIDIA GPUs only, these devices are "
+                         f"{devices[0].platform.upper()}; use model.attention=xla (projections "
+                         f"take cudnn: --mode=project)")
   layout = mesh_lib.plan(exp.mesh, len(devices))
+  _check_activation_memory(exp, layout, devices)
   mesh = mesh_lib.build_mesh(layout, devices)
   program = train_step.build(exp.model, exp.train, mesh)
   _check_memory(program, exp.model.name, devices)
@@ -223,11 +259,11 @@ def _run_measured(exp: experiments.ExperimentConfig, mode: str,
       f"x {layout.devices_per_node}", [(line, "") for line in layout.describe()]))
   pipeline_record = _pipeline_record(exp, layout.sizes["pipeline"], program.micro_batches)
   peak, peak_source = _peak_tflops_per_device(devices, exp.model.compute_dtype)
-  hooks = _step_hooks(exp, mode, layout.devices, peak, profile)
   checkpoints = None
-  if _CHECKPOINT_DIR.value:
+  if _CHECKPOINT_DIR.value is not None:  # before the hooks: a refused one leaves no files
     checkpoints = Checkpoints(_CHECKPOINT_DIR.value, _CHECKPOINT_EVERY.value,
                               _KEEP_CHECKPOINTS.value)
+  hooks = _step_hooks(exp, mode, layout.devices, peak, profile)
   run = loop.run(program, exp.model, exp.train, checkpoints, hooks)
   if not run.step_times_s:
     print(f"\nnothing left to run: the checkpoint in {_CHECKPOINT_DIR.value} is at step "
@@ -281,10 +317,14 @@ def _projection_points(check_plan: bool = True) -> list[tuple[str, int]]:
   """Every (hardware, gpus) point, all checked before the first compile (with
   `check_plan`, the experiment's own layout on each)."""
   counts = []
+  if not _GPUS.value or not _HARDWARE.value:
+    raise UserInputError(f"--{'gpus' if not _GPUS.value else 'hardware'}: empty; give at least "
+                         f"one, comma-separated")
   for text in _GPUS.value:
-    if not text.strip().isdigit() or int(text) < 1:
+    count = platform_env.whole_number(text.strip())
+    if count is None or count < 1:
       raise UserInputError(f"--gpus takes positive whole numbers, got {text!r}")
-    counts.append(int(text))
+    counts.append(count)
   points = [(name.strip().lower(), gpus) for name in _HARDWARE.value for gpus in counts]
   for name, gpus in points:
     hw = project.hardware(name, gpus)
@@ -425,6 +465,20 @@ def _check_distributed_flags() -> None:
     raise UserInputError(f"--{', --'.join(names)} go together; got only --{', --'.join(given)}")
 
 
+def _check_paths() -> None:
+  """Where results, TensorBoard scalars and checkpoints go must be usable before any
+  compile: a run must not train to the end and then lose its record."""
+  results.check_writable(_OUTPUT_DIR.value)
+  if _CHECKPOINT_DIR.value is not None and _MODE.value in ("train", "benchmark"):
+    checkpoint_lib.check_directory(_CHECKPOINT_DIR.value)
+  if _CHECKPOINT_EVERY.value < 1:
+    raise UserInputError(f"--checkpoint_every must be a positive integer, got "
+                         f"{_CHECKPOINT_EVERY.value}")
+  if _KEEP_CHECKPOINTS.value < 1:
+    raise UserInputError(f"--keep_checkpoints must be a positive integer, got "
+                         f"{_KEEP_CHECKPOINTS.value}")
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise UserInputError(f"unexpected argument {argv[1]!r}; flags take the form --name=value")
@@ -432,6 +486,8 @@ def main(argv: list[str]) -> None:
     for name in experiments.names():
       print(f"{name:<16} {experiments.load(name).description}")
     return
+  _check_distributed_flags()
+  _check_paths()
   if _MODE.value == "sweep":
     _run_sweep()
     return
@@ -443,7 +499,6 @@ def main(argv: list[str]) -> None:
     _print_projection(_run_projection())
     print(f"\nappended to {os.path.join(_OUTPUT_DIR.value, 'results.jsonl')}")
     return
-  _check_distributed_flags()
   record = _run_measured(_experiment(_MODE.value), _MODE.value, _DEVICES.value)
   if record is None or jax.process_index() != 0:
     return
@@ -469,6 +524,12 @@ def _main(argv: list[str]) -> None:
   except RunStopped as e:
     print(f"stopped: {e}", file=sys.stderr)
     sys.exit(e.exit_code)
+  except KeyboardInterrupt:
+    # Outside the loop's own handling (start-up, a projection): nothing half-written is
+    # kept by a save then. os._exit: XLA's threads may still be running.
+    sys.stdout.flush()
+    print("stopped: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    os._exit(130)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ import sys
 import tempfile
 
 DEFAULT_HOST_DEVICES = 8
+# Emulated CPU devices cost memory and threads each; XLA starts 4,096 in about 3 s and
+# 0.8 GB here, while hundreds of thousands never finish starting.
+MAX_HOST_DEVICES = 4096
 # JAX's default: a process that sends no heartbeat for this long is declared dead and
 # every other process is terminated with an error naming it.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
@@ -34,6 +37,21 @@ class Distributed:
     return None not in (self.coordinator_address, self.num_processes, self.process_id)
 
 
+def whole_number(text: str) -> int | None:
+  """`text` as a non-negative whole number in ASCII digits, else None (str.isdigit alone
+  accepts digits such as '²' that int() refuses)."""
+  if text.isascii() and text.isdigit():
+    return int(text)
+  return None
+
+
+def refuse(message: str) -> None:
+  """Bad input found before absl and launch.py's error handling exist: the same one line
+  and exit code 2."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
 def distributed_from_argv(argv: list[str]) -> Distributed:
   """The distributed flags, read before absl parses them (jax must join before it starts).
 
@@ -45,9 +63,28 @@ def distributed_from_argv(argv: list[str]) -> Distributed:
     name = name.lstrip("-")
     if name == "coordinator_address" and value:
       values[name] = value
-    elif name in ("num_processes", "process_id", "heartbeat_timeout_s") and value.isdigit():
-      values[name] = int(value)
+    elif name in ("num_processes", "process_id", "heartbeat_timeout_s"):
+      if whole_number(value) is not None:
+        values[name] = whole_number(value)
   return Distributed(**values)
+
+
+def check_distributed(distributed: Distributed) -> None:
+  """Refuse values that would make jax.distributed.initialize hang or fail obscurely."""
+  if distributed.heartbeat_timeout_s < 1:
+    refuse(f"--heartbeat_timeout_s must be at least 1, got {distributed.heartbeat_timeout_s}")
+  if not distributed.from_flags:
+    return
+  if distributed.num_processes < 1:
+    refuse(f"--num_processes must be at least 1, got {distributed.num_processes}")
+  if not 0 <= distributed.process_id < distributed.num_processes:
+    refuse(f"--process_id must be in 0 .. --num_processes - 1 = "
+           f"{distributed.num_processes - 1}, got {distributed.process_id}")
+  host, sep, port = distributed.coordinator_address.rpartition(":")
+  number = whole_number(port)
+  if not sep or not host or number is None or not 1 <= number <= 65535:
+    refuse(f"--coordinator_address must be HOST:PORT with a port in 1 .. 65535, got "
+           f"{distributed.coordinator_address!r}")
 
 
 def has_nvidia_gpu() -> bool:
@@ -135,14 +172,7 @@ def configure(
   """Use the CPU when there is no GPU, with `host_devices` emulated devices; join the
   other processes of a Slurm or Open MPI launch, or those named by the distributed flags
   (before any backend starts)."""
-  if distributed.from_flags and not 0 <= distributed.process_id < distributed.num_processes:
-    # Before absl and launch.py's error handling exist: the same one line and exit 2.
-    print(
-      f"error: --process_id must be in 0 .. --num_processes - 1 = "
-      f"{distributed.num_processes - 1}, got {distributed.process_id}",
-      file=sys.stderr,
-    )
-    sys.exit(2)
+  check_distributed(distributed)
   gpu = has_nvidia_gpu()
   if not gpu:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

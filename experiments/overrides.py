@@ -76,7 +76,7 @@ def _shortcut(cfg: Any, key: str, text: str) -> Any:
   if key == "variant":
     return experiments.variant(cfg, text)
   if key in _POSITIVE:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # isdigit alone passes '²'
       raise UserInputError(f"--set {key}: expected a positive whole number, got {text!r}")
     return _replace(cfg, _POSITIVE[key].split("."), text, key)
   path, values = _CHOICES[key]

@@ -128,10 +128,13 @@ def run(
   """
   at_count = at_count or (lambda _: exp)
   keyed = {point_key(exp, sweep, p): p for p in points(sweep, platform)}
+  # results.read skips (with a warning) lines that are not records; a record of another
+  # shape (a hand edit, another tool) is not this sweep's.
   done = {
     r["sweep_key"]: r
     for r in results.read(output_dir)
-    if r.get("sweep_key") in keyed and r["status"] != "failed"
+    if isinstance(r.get("sweep_key"), str) and r["sweep_key"] in keyed
+    and r.get("status") not in ("failed", None)
   }
   todo = [k for k in keyed if k not in done]
   if done:

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -91,6 +92,17 @@ def test_list_names_every_experiment():
     (["--experiment=gpt3", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2"], "model: gpt3-175b needs"),
     (["--profile_steps=4:2"], "--profile_steps must be A:B"),
     (["--mode=sweep", "--experiment=cpu_gpt2_small"], "no sweep is defined"),
+    (["--output_dir="], "--output_dir: empty"),
+    (["--checkpoint_dir="], "--checkpoint_dir: empty"),
+    (["--mode=project", "--gpus="], "--gpus: empty"),
+    (["--mode=project", "--gpus=\u00b2"], "--gpus takes positive whole numbers"),
+    (["--devices=999999"], "--devices: at most 4,096"),
+    (["--profile_steps=\u00b2:3"], "--profile_steps must be A:B"),
+    (["--coordinator_address=127.0.0.1", "--num_processes=2", "--process_id=0"],
+     "--coordinator_address must be HOST:PORT"),
+    (["--set", "model.attention=cudnn"], "model.attention=cudnn runs on NVIDIA GPUs only"),
+    (["--set", "train.beta1=2"], "train.beta1 must be a finite number in [0, 1)"),
+    (["--set", "train.learning_rate=inf"], "train.learning_rate must be a finite number"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
   out = launch(f"--output_dir={tmp_path}", *args)
@@ -98,4 +110,22 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1, out.stderr
   assert message in lines[0]
+  assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_ctrl_c_while_compiling_is_one_line_and_exit_130(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS",
+                                                           "JAX_COMPILATION_CACHE_DIR")}
+  env["PYTHONUNBUFFERED"] = "1"
+  proc = subprocess.Popen([sys.executable, "launch.py", f"--output_dir={tmp_path}", "--steps=5"],
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  for line in proc.stdout:  # the mesh is printed just before the step is built and compiled
+    if line.startswith("Mesh:"):
+      break
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  lines = err.strip().splitlines()
+  assert proc.returncode == 130 and len(lines) == 1, (proc.returncode, err[-3000:])
+  assert lines[0].startswith("stopped:") and "Traceback" not in err
   assert not (tmp_path / "results.jsonl").exists()

@@ -36,8 +36,6 @@ STEPS = 12  # 2 warm-up + 10: saved at 2, 4, ..., 12 (the newest 3 kept)
 EVERY = 2
 HEARTBEAT_S = 5
 SETS = ["model.num_layers=1", "train.task=tokens"]
-# A refused or resharded restore leaves orbax read coroutines to be collected unawaited.
-NO_UNRAISABLE = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +205,8 @@ def test_two_processes_match_one_and_survive_a_kill(corpus, reference, tmp_path)
     assert code == 0, err[-3000:]
   record = _record(full_out)
   assert record["devices"] == 8 and record["nodes"] == 2
+  # gloo's all-reduces sum in another order than one process's: last-bit differences that
+  # a few float32 steps of a tiny model keep far below 1e-5 of the loss.
   np.testing.assert_allclose(record["losses"], ref_record["losses"], rtol=1e-5)
 
   # One process killed at a random step: the other exits with an error, in bounded time.
@@ -243,7 +243,6 @@ def _copy_step(src: str, step: int, dst) -> str:
   return str(dst)
 
 
-@NO_UNRAISABLE
 def test_restore_8_device_checkpoint_on_4_devices(corpus, reference, tmp_path):
   ref_ckpt, ref_record = reference
   step = STEPS - 2 * EVERY  # the oldest kept
@@ -257,6 +256,7 @@ def test_restore_8_device_checkpoint_on_4_devices(corpus, reference, tmp_path):
   leaf = jax.tree.leaves(state.params)[0]
   assert len(leaf.sharding.device_set) == 4
   _, metrics = program.step(state, batches.batch(step))
+  # 4 devices reduce the batch in another order than 8: last-bit differences in the loss.
   np.testing.assert_allclose(float(metrics["loss"]), ref_record["losses"][step], rtol=1e-5)
 
 
@@ -278,7 +278,6 @@ def _largest_state_file(step_dir: str) -> str:
   return max(files, key=os.path.getsize)
 
 
-@NO_UNRAISABLE
 @pytest.mark.parametrize("how", ["truncate", "alter"])
 def test_corrupted_checkpoint_is_refused_by_name(corpus, reference, tmp_path, how):
   ref_ckpt, _ = reference
@@ -306,7 +305,6 @@ def test_corrupted_checkpoint_exits_2_with_one_line(corpus, reference, tmp_path)
   assert _saved_steps(directory) == [STEPS - EVERY]  # nothing overwritten, no restart at 0
 
 
-@NO_UNRAISABLE
 def test_incompatible_checkpoint_is_refused_by_name(corpus, reference, tmp_path):
   ref_ckpt, _ = reference
   directory = _copy_step(ref_ckpt, STEPS, tmp_path)

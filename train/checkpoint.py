@@ -11,17 +11,28 @@ finished process 0 writes a manifest of every file's size and SHA-256 into the s
 directory; a restore checks it first (each process a share of the files) and refuses a
 checkpoint that differs, naming the file. A finished step whose manifest was not yet
 written (the process died in between) is restored unchecked, with a note.
+
+A kill can leave a step's temporary directory (or a half-written manifest) behind.
+Orbax's own clean-up of temporary directories runs in the background, racing the first
+save of the resumed run, which may write the same step's temporary directory; so they
+are removed here, before the manager starts, and a manifest is written only for a step
+whose directory has its final name. A state with a non-finite parameter or optimizer
+moment is never saved (`NonFiniteState`), so rotation only ever removes a good checkpoint
+to make room for a newer good one, and a restored state is checked the same way.
 """
 
 import hashlib
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
-import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from absl import logging
 from jax.experimental import multihost_utils
 
@@ -30,6 +41,29 @@ from train.input_pipeline import BatchSource
 from train.step import TrainState
 
 MANIFEST = "manifest.sha256.json"
+PARTIAL_MANIFEST = f"{MANIFEST}.partial"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's atomicity_types.TMP_DIR_SUFFIX
+
+
+class NonFiniteState(Exception):
+  """The state to be saved holds a NaN or an infinity: it was not saved."""
+
+  def __init__(self, step: int):
+    super().__init__(f"the state after step {step - 1} has a non-finite parameter or "
+                     f"optimizer moment")
+    self.step = step
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+
+
+def is_finite(state) -> bool:
+  """Whether every floating-point leaf of `state` is finite (the same on every process)."""
+  return bool(_all_finite(state))
 
 
 def _digest(path: pathlib.Path) -> str:
@@ -42,8 +76,55 @@ def _digest(path: pathlib.Path) -> str:
 
 def _files(step_dir: pathlib.Path) -> list[str]:
   return sorted(
-    str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST
+    str(p.relative_to(step_dir))
+    for p in step_dir.rglob("*")
+    if p.is_file() and p.name not in (MANIFEST, PARTIAL_MANIFEST)
   )
+
+
+def remove_leftovers(directory: pathlib.Path) -> list[str]:
+  """Delete what a killed save leaves: step directories still under their temporary name
+  and half-written manifests. Returns what was removed (names under `directory`)."""
+  removed = []
+  if not directory.is_dir():
+    return removed
+  for entry in sorted(directory.iterdir()):
+    if TMP_SUFFIX in entry.name:
+      if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+      else:
+        entry.unlink()
+      removed.append(entry.name)
+    elif entry.is_dir() and (entry / PARTIAL_MANIFEST).exists():
+      (entry / PARTIAL_MANIFEST).unlink()
+      removed.append(f"{entry.name}/{PARTIAL_MANIFEST}")
+  return removed
+
+
+def _can_create_in(directory: pathlib.Path) -> bool:
+  """Tried with an empty directory, removed at once (permission bits alone miss
+  read-only file systems, and root passes them all)."""
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=directory))
+  except OSError:
+    return False
+  return True
+
+
+def check_directory(directory: str) -> None:
+  """Refuse a checkpoint directory that cannot be used, before anything is compiled."""
+  if not directory.strip():
+    raise UserInputError("--checkpoint_dir: empty; name a directory (or leave the flag out)")
+  path = pathlib.Path(os.path.abspath(directory))
+  if path.exists() and not path.is_dir():
+    raise UserInputError(f"--checkpoint_dir {path} is a file, not a directory")
+  existing = path
+  while not existing.exists():
+    existing = existing.parent
+  if not existing.is_dir():
+    raise UserInputError(f"--checkpoint_dir {path}: {existing} is a file, not a directory")
+  if not _can_create_in(existing):
+    raise UserInputError(f"--checkpoint_dir {path}: nothing can be created in {existing}")
 
 
 class Checkpoints:
@@ -56,8 +137,12 @@ class Checkpoints:
       raise UserInputError(f"--keep_checkpoints must be a positive integer, got {keep}")
     self.directory = pathlib.Path(os.path.abspath(directory))
     # Checked here: orbax would fail on it in a background thread, with a traceback.
-    if self.directory.exists() and not self.directory.is_dir():
-      raise UserInputError(f"--checkpoint_dir {self.directory} is a file, not a directory")
+    check_directory(directory)
+    if jax.process_index() == 0:
+      remove_leftovers(self.directory)
+    if jax.process_count() > 1:  # no process may list the directory before it is clean
+      multihost_utils.sync_global_devices("checkpoint leftovers removed")
+    self._closed = False
     # Orbax reports every stage of every save at INFO; warnings and errors still show.
     logging.set_verbosity(logging.WARNING)
     try:
@@ -67,7 +152,8 @@ class Checkpoints:
           save_interval_steps=every_steps,
           max_to_keep=keep,
           enable_async_checkpointing=True,
-          cleanup_tmp_directories=True,
+          # Done above, synchronously (orbax's runs in the background).
+          cleanup_tmp_directories=False,
           create=True,
         ),
       )
@@ -87,8 +173,11 @@ class Checkpoints:
       return None
     step_dir = self.directory / str(step)
     self._verify(step, step_dir)
+    self._check_compatible(step_dir, abstract_state)
     args = {"state": ocp.args.StandardRestore(abstract_state)}
     if batches.iterator is not None:
+      import grain  # pylint: disable=import-outside-toplevel (token files only; optional)
+
       args["data"] = grain.checkpoint.CheckpointRestore(batches.iterator)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**args))
@@ -98,39 +187,92 @@ class Checkpoints:
         f"({type(e).__name__}: {_first_line(e)}); it was left as it is: "
         f"move it away to resume from an earlier one"
       ) from e
+    if not is_finite(restored["state"]):
+      raise UserInputError(
+        f"--checkpoint_dir: checkpoint {step_dir} holds a non-finite parameter or optimizer "
+        f"moment; it was left as it is: move it away to resume from an earlier one"
+      )
     return restored["state"]
 
+  @staticmethod
+  def _check_compatible(step_dir: pathlib.Path, abstract_state: TrainState) -> None:
+    """Refuse a checkpoint whose arrays differ from the model's in name, shape or dtype
+    from its metadata, before any array is read: a restore that fails part-way leaves
+    orbax's reads pending on an event loop that is then closed, and each prints a
+    traceback when tensorstore completes it."""
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      saved = ocp.tree.to_flat_dict(handler.metadata(epath.Path(step_dir / "state")), sep=".")
+    except Exception as e:  # pylint: disable=broad-except
+      raise UserInputError(
+        f"--checkpoint_dir: checkpoint {step_dir} cannot be read ({type(e).__name__}: "
+        f"{_first_line(e)}); it was left as it is: move it away to resume from an earlier one"
+      ) from e
+    finally:
+      handler.close()
+    wanted = ocp.tree.to_flat_dict(abstract_state, sep=".")
+    problem = ""
+    for name in sorted(set(saved) | set(wanted)):
+      if name not in saved or name not in wanted:
+        problem = f"{name} is {'missing from it' if name in wanted else 'not in the model'}"
+      elif tuple(saved[name].shape) != tuple(wanted[name].shape):
+        problem = f"{name} has shape {tuple(saved[name].shape)}, the model's is " \
+                  f"{tuple(wanted[name].shape)}"
+      elif np.dtype(saved[name].dtype) != np.dtype(wanted[name].dtype):
+        problem = f"{name} is {saved[name].dtype}, the model's is {wanted[name].dtype}"
+      if problem:
+        raise UserInputError(
+          f"--checkpoint_dir: checkpoint {step_dir} cannot be restored into this model "
+          f"({problem}); it was left as it is: move it away, or use the configuration it "
+          f"was saved with"
+        )
+
   def save(self, step: int, state: TrainState, batches: BatchSource, force: bool = False) -> bool:
-    """Start saving `state` (after `step` steps) if the interval says so or `force`."""
+    """Start saving `state` (after `step` steps) if the interval says so or `force`;
+    raises NonFiniteState (saving nothing) if it holds a NaN or an infinity."""
     if not (force or self._manager.should_save(step)):
       return False
+    if self._manager.latest_step() is not None and self._manager.latest_step() >= step:
+      return False  # already saved (a stop right after an interval's save)
+    if not is_finite(state):
+      raise NonFiniteState(step)
     # Orbax waits for the previous save before starting one; once it has finished, its
     # files are final and can be fingerprinted.
     self._manager.wait_until_finished()
     self._write_manifests()
     args = {"state": ocp.args.StandardSave(state)}
     if batches.iterator is not None:
+      import grain  # pylint: disable=import-outside-toplevel (token files only; optional)
+
       args["data"] = grain.checkpoint.CheckpointSave(batches.iterator)
     return self._manager.save(step, args=ocp.args.Composite(**args), force=force)
 
   def close(self) -> None:
-    """Finish any save in flight and fingerprint it."""
-    self._manager.wait_until_finished()
-    self._write_manifests()
-    self._manager.close()
+    """Finish any save in flight and fingerprint it; the manager's threads are ended even
+    when the save failed. Closing twice is harmless."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self._manager.wait_until_finished()
+      self._write_manifests()
+    finally:
+      self._manager.close()
 
   def _write_manifests(self) -> None:
     if jax.process_index() != 0:
       return
     for step in self._manager.all_steps():
       step_dir = self.directory / str(step)
-      if (step_dir / MANIFEST).exists():
+      # Orbax renames a step's directory to its number once every file is final; a step
+      # it tracks without that directory was not finalized (its save failed).
+      if not step_dir.is_dir() or (step_dir / MANIFEST).exists():
         continue
       manifest = {
         name: {"bytes": (step_dir / name).stat().st_size, "sha256": _digest(step_dir / name)}
         for name in _files(step_dir)
       }
-      partial = step_dir / f"{MANIFEST}.partial"
+      partial = step_dir / PARTIAL_MANIFEST
       partial.write_text(json.dumps(manifest, indent=1))
       partial.rename(step_dir / MANIFEST)  # atomic: a manifest is whole or absent
 

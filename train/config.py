@@ -1,6 +1,7 @@
 """Training configuration: batch, schedule and optimizer settings."""
 
 import dataclasses
+import math
 
 from errors import UserInputError
 
@@ -80,5 +81,26 @@ class TrainConfig:
       raise UserInputError(f"train.task must be one of {', '.join(TASKS)}, got {self.task!r}")
     if self.task == "tokens" and not self.data_path:
       raise UserInputError("train.data_path must name a token file when train.task=tokens")
-    if not self.learning_rate > 0:
-      raise UserInputError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+    self._validate_optimizer()
+    if not 0 <= self.seed < 2**32:
+      raise UserInputError(f"train.seed must be in 0 .. 2**32 - 1, got {self.seed}")
+
+  def _validate_optimizer(self) -> None:
+    """Values that parse but cannot train: each would give NaNs or no update at all."""
+    # (field, lowest, lowest allowed itself, highest, highest allowed itself)
+    ranges = (("learning_rate", 0, False, math.inf, False),
+              ("beta1", 0, True, 1, False),
+              ("beta2", 0, True, 1, False),
+              ("eps", 0, False, math.inf, False),
+              ("weight_decay", 0, True, math.inf, False),
+              ("grad_clip", 0, False, math.inf, False),
+              ("min_lr_ratio", 0, True, 1, True))
+    for field, low, low_ok, high, high_ok in ranges:
+      value = getattr(self, field)
+      above = value >= low if low_ok else value > low
+      below = value <= high if high_ok else value < high
+      if not (math.isfinite(value) and above and below):
+        left, right = "[" if low_ok else "(", "]" if high_ok else ")"
+        high_text = "inf" if high == math.inf else high
+        raise UserInputError(f"train.{field} must be a finite number in {left}{low}, "
+                             f"{high_text}{right}, got {value}")

@@ -9,7 +9,6 @@ import os
 from typing import Protocol
 
 import jax
-from tensorboardX import SummaryWriter
 
 from errors import UserInputError
 
@@ -37,6 +36,9 @@ class TensorBoardHook:
     devices: int,
     peak_tflops_per_device: float,
   ):
+    # Imported here: only this hook needs tensorboardX, and GPU images may lack it.
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+
     self.log_dir = log_dir
     self._writer = SummaryWriter(log_dir)
     self._tokens_per_step = tokens_per_step
@@ -67,7 +69,8 @@ class TensorBoardHook:
 def parse_profile_steps(text: str, total_steps: int) -> tuple[int, int]:
   """'A:B' -> (A, B): profile steps A to B-1, counted from 0 with the warm-up steps."""
   start, sep, stop = text.partition(":")
-  if not sep or not start.isdigit() or not stop.isdigit() or int(start) >= int(stop):
+  whole = lambda t: t.isascii() and t.isdigit()  # str.isdigit alone passes '²'
+  if not sep or not whole(start) or not whole(stop) or int(start) >= int(stop):
     raise UserInputError(f"--profile_steps must be A:B with whole numbers A < B, got {text!r}")
   if int(stop) > total_steps:
     raise UserInputError(

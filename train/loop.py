@@ -5,11 +5,13 @@ executions are run but not timed; every timed step ends in `block_until_ready`, 
 its batch is generated and placed on the devices before the clock starts.
 
 With checkpoints the run resumes from the newest one, saves after every step the
-interval names and after the last, and on SIGTERM / SIGINT saves and stops. A
-non-finite loss stops the run before that step's state can be saved.
+interval names and after the last, and on SIGTERM / SIGINT saves and stops (without
+checkpoints it just stops after the step). A signal before the first step (restoring,
+compiling) ends the process at once with one line: nothing is being written then. A
+non-finite loss stops the run before that step's state can be saved, and so does a
+non-finite parameter or optimizer moment at a save.
 """
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -21,7 +23,7 @@ import numpy as np
 from errors import RunStopped
 from model.config import ModelConfig
 from train import input_pipeline, preemption
-from train.checkpoint import Checkpoints
+from train.checkpoint import Checkpoints, NonFiniteState
 from train.config import TrainConfig
 from train.hooks import StepHook
 from train.step import TrainProgram
@@ -41,23 +43,23 @@ def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
         checkpoints: Checkpoints | None = None,
         hooks: Sequence[StepHook] = ()) -> RunResult:
   B, T = train_cfg.global_batch, model_cfg.seq_len
-  # A checkpoint that cannot be restored is reported before the compile.
-  batches = input_pipeline.BatchSource(train_cfg, model_cfg, program.batch_sharding)
-  state = checkpoints.restore_latest(program.abstract_state, batches) if checkpoints else None
-  t0 = time.perf_counter()
-  lowered = program.lower(B, T)
-  t1 = time.perf_counter()
-  compiled = lowered.compile()
-  t2 = time.perf_counter()
-
-  first_step = 0 if state is None else int(state.step)
-  state = program.init() if state is None else state
-  total = train_cfg.warmup_steps + train_cfg.steps
-  step_times, losses = [], []
-  stop = preemption.StopRequest(jax.process_count()) if checkpoints else contextlib.nullcontext()
-  # Hooks close on every exit, so a run stopped by a signal or a bad loss keeps its scalars.
+  # Hooks and checkpoints close on every exit (a run stopped by a signal or a bad loss
+  # keeps its scalars; orbax's threads end before the interpreter does).
   try:
-    with stop:
+    # A checkpoint that cannot be restored is reported before the compile.
+    with preemption.ExitOnSignal("before the first step; nothing was being written"):
+      batches = input_pipeline.BatchSource(train_cfg, model_cfg, program.batch_sharding)
+      state = checkpoints.restore_latest(program.abstract_state, batches) if checkpoints else None
+      t0 = time.perf_counter()
+      lowered = program.lower(B, T)
+      t1 = time.perf_counter()
+      compiled = lowered.compile()
+      t2 = time.perf_counter()
+      first_step = 0 if state is None else int(state.step)
+      state = program.init() if state is None else state
+    total = train_cfg.warmup_steps + train_cfg.steps
+    step_times, losses = [], []
+    with preemption.StopRequest(jax.process_count()) as stop:
       for step in range(first_step, total):
         batch = jax.block_until_ready(batches.batch(step))
         for hook in hooks:
@@ -75,18 +77,24 @@ def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
         losses.append(loss)
         for hook in hooks:
           hook.after_step(step, metrics, elapsed)
+        signum = stop.signal_number()
         if checkpoints:
-          signum = stop.signal_number()
-          checkpoints.save(step + 1, state, batches, force=bool(signum) or step + 1 == total)
-          if signum:
-            raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints,
-                                      "rerun the same command to resume"),
-                             preemption.EXIT_CODE_BASE + signum)
+          try:
+            checkpoints.save(step + 1, state, batches, force=bool(signum) or step + 1 == total)
+          except NonFiniteState as e:
+            raise RunStopped(_stopped(f"{e}", checkpoints, "the bad state was not saved"),
+                             1) from None
+        if signum:
+          raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints,
+                                    "rerun the same command to resume"),
+                           preemption.EXIT_CODE_BASE + signum)
+      if checkpoints:
+        checkpoints.close()  # inside: a signal while the last save finishes is ignored
   finally:
     for hook in hooks:
       hook.close()
-  if checkpoints:
-    checkpoints.close()
+    if checkpoints:
+      checkpoints.close()
   return RunResult(t1 - t0, t2 - t1, step_times, losses, state, first_step)
 
 
