@@ -11,6 +11,7 @@ Shortcuts for the parallelism of a projection, each setting the real field(s):
   virtual_stages=N     train.virtual_stages micro_batch=N        train.micro_batch
   global_batch=N       train.global_batch   precision=bf16|fp8   model.fp8
   remat=POLICY         model.remat (none, full, save_dots)
+  context_parallel=N   mesh.context
 """
 
 import dataclasses
@@ -59,6 +60,7 @@ def _replace(cfg: Any, path: list[str], text: str, full_key: str) -> Any:
 
 _POSITIVE = {
   "tensor_parallel": "mesh.tensor",
+  "context_parallel": "mesh.context",
   "pipeline_parallel": "mesh.pipeline",
   "virtual_stages": "train.virtual_stages",
   "micro_batch": "train.micro_batch",

@@ -147,6 +147,30 @@ class ModelConfig:
         raise UserInputError(f"model.{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
 
 
+  def validate_context(self, context: int, tensor: int, pipeline: int) -> None:
+    """The model on a mesh with `context` context-parallel ranks (parallelism/context.py)."""
+    if context == 1:
+      return
+    if self.seq_len % (2 * context):
+      raise UserInputError(f"model.seq_len = {self.seq_len} does not split into 2 x mesh.context "
+                           f"= {2 * context} equal chunks (causal load balance); use a multiple "
+                           f"of {2 * context}")
+    if self.sequence_parallel and (self.seq_len // context) % tensor:
+      raise UserInputError(f"model.seq_len = {self.seq_len}: a context rank's {self.seq_len // context} "
+                           f"tokens do not divide over mesh.tensor = {tensor} "
+                           "(model.sequence_parallel)")
+    if self.attention != "xla":
+      raise UserInputError(f"model.attention = {self.attention!r} cannot run with mesh.context = "
+                           f"{context}: its causal mask is by index, not the load-balanced "
+                           "positions; use model.attention=xla")
+    if self.fp8:
+      raise UserInputError(f"model.fp8 with mesh.context = {context} is not supported; use "
+                           "model.fp8=false or mesh.context=1")
+    if pipeline > 1:
+      raise UserInputError(f"mesh.pipeline = {pipeline} with mesh.context = {context} is not "
+                           "supported; use mesh.pipeline=1 or mesh.context=1")
+
+
 def _gpt3(name: str, layers: int, d_model: int, heads: int, head_dim: int) -> ModelConfig:
   return ModelConfig(name=name, num_layers=layers, d_model=d_model, num_heads=heads,
                      head_dim=head_dim, seq_len=2048, vocab_size=50257,

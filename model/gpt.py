@@ -27,7 +27,7 @@ from model import fp8
 from model import matmul as dense
 from model import rope
 from model.config import ModelConfig
-from parallelism import rules, sequence
+from parallelism import context, rules, sequence
 from parallelism.rules import constrain
 
 SAVED_NAMES = ("layer_input", "mid_residual", "qkv", "attention", "fc1")
@@ -137,14 +137,17 @@ def norm(cfg: ModelConfig, x: jax.Array, p: dict, prefix: str) -> jax.Array:
   return layer_norm(x, p[f"{prefix}_scale"], p.get(f"{prefix}_bias"), cfg.norm_eps)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla") -> jax.Array:
-  """Causal softmax attention. q: [B, T, H, K], k, v: [B, T, G, K] with G dividing H
-  (query head h uses K/V head h // (H / G)) -> [B, T, H, K]; kind as ModelConfig.attention."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla",
+              mask: jax.Array | None = None) -> jax.Array:
+  """Causal softmax attention. q: [B, T, H, K], k, v: [B, S, G, K] with G dividing H
+  (query head h uses K/V head h // (H / G)) -> [B, T, H, K]; kind as ModelConfig.attention.
+  mask [T, S] (True: attend; context parallelism's, by true positions), else causal by
+  index (S = T)."""
   if kind == "cudnn":
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   B, T, H, K = q.shape
   G = k.shape[2]
-  causal = jnp.tril(jnp.ones((T, T), bool))
+  causal = jnp.tril(jnp.ones((T, T), bool)) if mask is None else mask
   if G == H:
     scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
     scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
@@ -197,8 +200,14 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     qkv = checkpoint_name(constrain(biased(qkv, "qkv_bias"), qkv_axes), "qkv")
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
   if cfg.positions == "rope":
-    q, k = rope.rotate(q, cfg), rope.rotate(k, cfg)
-  a = attention(q, k, v, cfg.attention)
+    # Each token's true position: with context parallelism the tokens are in
+    # load-balanced order (parallelism/context.py).
+    positions = context.positions(q.shape[1])
+    q, k = rope.rotate(q, cfg, positions), rope.rotate(k, cfg, positions)
+  if context.ranks() > 1:
+    a = context.attention(q, k, v, lambda q, k, v, mask: attention(q, k, v, "xla", mask))
+  else:
+    a = attention(q, k, v, cfg.attention)
   a = checkpoint_name(a, "attention")
   x = biased(x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"],
                                  ("batch", "length", "act_heads", None), ("heads", "kv", "embed"),
@@ -343,10 +352,16 @@ class GPT(nnx.Module):
     return params
 
   def embed(self, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] -> the residual stream entering the first layer [B, T, D]."""
+    """tokens [B, T] -> the residual stream entering the first layer [B, T, D]; with
+    context parallelism the tokens in load-balanced order (targets permuted alike:
+    parallelism/context.py `permuted`)."""
+    tokens = context.permuted(tokens)
     x = self._token_table()[tokens]
     if self.cfg.positions == "learned":
-      x = x + self._cast(self.wpe)[:tokens.shape[1]]
+      if context.ranks() > 1:
+        x = x + self._cast(self.wpe)[context.positions(tokens.shape[1])]
+      else:
+        x = x + self._cast(self.wpe)[:tokens.shape[1]]
     return constrain(x, residual_axes(self.cfg))
 
   def head(self, x: jax.Array) -> jax.Array:

@@ -41,14 +41,17 @@ def frequencies(cfg: ModelConfig) -> np.ndarray:
   return (1 - ramp) * freq / s + ramp * freq
 
 
-def rotate(x: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Queries or keys x [B, T, heads, K] rotated by their positions 0 .. T - 1.
+def rotate(x: jax.Array, cfg: ModelConfig, positions: np.ndarray | None = None) -> jax.Array:
+  """Queries or keys x [B, T, heads, K] rotated by their positions [T] (default
+  0 .. T - 1; with context parallelism the tokens' true positions, which the
+  load-balanced order permutes).
 
   The angles are constants of the program (float32, computed here in float64 first);
   the rotation runs in float32 and returns x's dtype.
   """
   T, K = x.shape[1], x.shape[-1]
-  angles = np.arange(T, dtype=np.float64)[:, None] * frequencies(cfg)[None, :]  # [T, K/2]
+  positions = np.arange(T) if positions is None else np.asarray(positions)
+  angles = positions.astype(np.float64)[:, None] * frequencies(cfg)[None, :]  # [T, K/2]
   cos = jnp.asarray(np.cos(angles), jnp.float32)[:, None, :]  # [T, 1, K/2]
   sin = jnp.asarray(np.sin(angles), jnp.float32)[:, None, :]
   x32 = x.astype(jnp.float32)

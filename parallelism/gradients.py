@@ -78,6 +78,7 @@ class Plan:
   replicas: int  # mesh data: pipelined, each replica runs its own pipeline
   micro_batches: int  # per data-parallel replica
   passes: int  # lockstep pipeline passes; 1 otherwise
+  num_layers: int = 0  # model.num_layers (pipelined: whether the split is uneven); 0: even
 
   @property
   def pipelined(self) -> bool:
@@ -101,7 +102,14 @@ def plan(num_layers: int, stages: int, virtual_stages: int, replicas: int, micro
     return Plan(schedule, stages, virtual_stages, replicas, micro_batches, 1)
   passes = pipeline.passes(passes, micro_batches, stages, schedule)
   pipeline.check(num_layers, stages, virtual_stages, micro_batches, passes, schedule)
-  return Plan(schedule, stages, virtual_stages, replicas, micro_batches, passes)
+  return Plan(schedule, stages, virtual_stages, replicas, micro_batches, passes, num_layers)
+
+
+def _active_rows(plan: Plan) -> Any:
+  """An uneven split's layer flags by rank (pipeline.active_rows); None when even."""
+  if not plan.num_layers:
+    return None
+  return pipeline.active_rows(plan.num_layers, plan.stages, plan.virtual_stages)
 
 
 def strategy(plan: Plan, pieces: LossPieces) -> LossAndGrads:
@@ -184,7 +192,8 @@ def _lockstep(plan: Plan, pieces: LossPieces) -> LossAndGrads:
 
   def pass_loss(params, scales, micro):  # micro [M', mb, T]
     x = jax.vmap(lambda tokens: pieces.embed(params, tokens))(micro["inputs"])
-    x = pipeline.run(pieces.run_layers, pieces.stack(params, scales), x, stages, virtual)
+    x = pipeline.run(pieces.run_layers, pieces.stack(params, scales), x, stages, virtual,
+                     _active_rows(plan))
     logits = jax.vmap(lambda y: pieces.head(params, y), spmd_axis_name=spread)(x)
     return pieces.loss(logits, micro["targets"])
 
@@ -207,8 +216,12 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
   stages, virtual, micro_batches = plan.stages, plan.virtual_stages, plan.micro_batches
   axis = pipeline.MESH_AXIS
 
-  def chunk(x, weights, scales, constants):
-    return pieces.run_layers(x, pieces.join_stack(weights, constants, scales), unroll=True)
+  def chunk(x, weights, scales, constants, flags=None):
+    stack = pieces.join_stack(weights, constants, scales)
+    if flags is None:
+      return pieces.run_layers(x, stack, unroll=True)
+    # An uneven split: the chunk's rows one at a time, padding skipped.
+    return pipeline.masked_chunk(pieces.run_layers, x, stack, 0, flags)
 
   def replica(params, scales, rows):  # rows [B/R, T]
     micro = split(rows, micro_batches)
@@ -239,7 +252,8 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       return loss, d_ys, d_rest
 
     loss, d_weights, amaxes, d_x, d_rest = one_f_one_b.run(
-      chunk, weights, stack_scales, constants, x, head, stages, virtual, pieces.activation_axes)
+      chunk, weights, stack_scales, constants, x, head, stages, virtual, pieces.activation_axes,
+      _active_rows(plan))
     zeros = jax.tree.map(jnp.zeros_like, (constants, stack_scales))
     grads = front_vjp((d_x, pieces.join_stack(d_weights, *zeros)))[0]
     head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])

@@ -1,11 +1,17 @@
 """A device mesh laid over the two networks of a GPU cluster.
 
-Each mesh axis (data, fsdp, tensor, pipeline) is split into a part inside a node, where
-the GPUs share NVLink, and a part across nodes, over InfiniBand. Axes are placed
-innermost first - tensor, then fsdp, then data, then pipeline - because tensor
-parallelism sends the most bytes per step, and pipeline parallelism only one micro-batch's
-activations per stage boundary, so the fastest network goes to the most demanding axis
-(the Megatron-LM and MaxText convention: pipeline stages across nodes).
+Each mesh axis (data, fsdp, context, tensor, pipeline) is split into a part inside a node,
+where the GPUs share NVLink, and a part across nodes, over InfiniBand. Axes are placed
+innermost first - tensor, then context, then fsdp, then data, then pipeline - because
+tensor parallelism sends the most bytes per step, and pipeline parallelism only one
+micro-batch's activations per stage boundary, so the fastest network goes to the most
+demanding axis (the Megatron-LM and MaxText convention: pipeline stages across nodes).
+Context parallelism (parallelism/context.py) comes next to tensor: its K/V all-gather
+and the reduce-scatter of their gradients sit inside every layer's attention, on the
+critical path like tensor parallelism's collectives though with fewer bytes (2 G K per
+token against tensor's few D), while FSDP's weight gathers can be issued a layer ahead.
+Megatron-Core orders its groups the same way ("tp-cp-ep-dp-pp",
+megatron/core/parallel_state.py `initialize_model_parallel`).
 
 On a multi-process run the process is the node (`create_hybrid_device_mesh` with
 `process_is_granule=True`). On one host the local devices are grouped into emulated
@@ -24,15 +30,17 @@ from jax.sharding import AxisType, Mesh
 from errors import UserInputError
 
 # pipeline is last so that data stays axis 0, which projection/layout.py relies on.
-AXES = ("data", "fsdp", "tensor", "pipeline")
+AXES = ("data", "fsdp", "context", "tensor", "pipeline")
 # Filled from the innermost (fastest network) axis outwards.
-_INNER_FIRST = ("tensor", "fsdp", "data", "pipeline")
+_INNER_FIRST = ("tensor", "context", "fsdp", "data", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = -1    # -1: every device the other axes leave
   fsdp: int = 1
+  # Context parallelism: each sequence split over this many ranks (parallelism/context.py).
+  context: int = 1
   tensor: int = 1
   pipeline: int = 1  # pipeline stages (train.pipeline_schedule runs them)
   # Devices per node (the InfiniBand granule); 0: the local device count of one process
@@ -90,7 +98,7 @@ def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
                            f"the {num_devices} devices")
     sizes[free[0]] = num_devices // fixed
   if math.prod(sizes.values()) != num_devices:
-    raise UserInputError(f"mesh: data x fsdp x tensor x pipeline = {math.prod(sizes.values())} "
+    raise UserInputError(f"mesh: data x fsdp x context x tensor x pipeline = {math.prod(sizes.values())} "
                          f"must equal the {num_devices} devices")
 
   per_node = cfg.devices_per_node or default_devices_per_node(num_devices)

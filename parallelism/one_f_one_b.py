@@ -12,6 +12,8 @@ Layout as in pipeline.py: rank s holds chunks v = 0 .. V-1 of C layers, model ch
 v P + s. Micro-batches go in groups of P (M must be a multiple of P): forward item
 k = g P V + v P + i is chunk v of micro-batch m = g P + i, run by rank s at trip k + s,
 so a micro-batch leaving rank P-1 re-enters rank 0 for its next chunk on the next trip.
+An uneven split's padding rows (pipeline.py `split`) are skipped inside the chunk, by the
+flags `run` slices for it.
 Backward item j = g P V + c P + i is chunk V-1-c of micro-batch g P + i (chunks in
 reverse), run by rank s at trip j + D + (P-1-s), flowing from rank s to s-1, with
 
@@ -185,6 +187,7 @@ def run(
   stages: int,
   virtual_stages: int,
   activation_axes: Sequence[str | None],
+  active: np.ndarray | None = None,
 ) -> tuple[jax.Array, Any, Any, jax.Array, Any]:
   """One data-parallel replica's forward and backward through the pipeline.
 
@@ -197,7 +200,8 @@ def run(
   casts). inputs [P, M, b, ...]: the embedded micro-batches, each rank's own copy (rank 0
   reads them). head(ys, g): on group g's last-layer outputs ys [P, b, ...], its loss, the
   loss's gradient for ys and any gradients of its own. activation_axes: the logical axes
-  of a micro-batch's activations [b, ...].
+  of a micro-batch's activations [b, ...]. active: an uneven split's `pipeline.active_rows`
+  [P, V C] (None: even); chunk_fn then takes a fifth argument, the chunk's rows' [C] flags.
 
   Returns (summed head losses, gradients of weights [L, ...], the largest cotangent of
   each scale over the micro-batches [L, ...], gradients of inputs [P, M, b, ...] (zero but
@@ -216,12 +220,16 @@ def run(
   def chunk_rows(tree, first):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, C), tree)
 
-  def forward(x, w, consts, first):
+  def forward(x, w, consts, first, rank_active):
     # The chunk's rows are sliced outside the vjp, so the weight gradient has C rows, not
     # the whole stack; a residual that is one of those rows is sliced again backward
     # rather than kept.
     w, consts = chunk_rows(w, first), chunk_rows(consts, first)
-    y, vjp = jax.vjp(lambda x, w: chunk_fn(x, *w, consts), x, w)
+    if rank_active is None:
+      y, vjp = jax.vjp(lambda x, w: chunk_fn(x, *w, consts), x, w)
+    else:
+      flags = jax.lax.dynamic_slice_in_dim(rank_active, first, C)
+      y, vjp = jax.vjp(lambda x, w: chunk_fn(x, *w, consts, flags), x, w)
     leaves, treedef = jax.tree.flatten(vjp)
     shared = jax.tree.leaves((w, consts))
     if "vjp" not in structure:
@@ -251,12 +259,12 @@ def run(
     rows = jnp.maximum(jax.lax.dynamic_slice_in_dim(total, first, C), part)
     return jax.lax.dynamic_update_slice_in_dim(total, rows, first, 0)
 
-  def rank_trip(w, consts, inputs, row, carry, do_forward, do_backward):
+  def rank_trip(w, consts, inputs, row, carry, rank_active, do_forward, do_backward):
     y, dx = carry.x, carry.g  # what an idle direction passes on
     slots, grads, outs, d_inputs = carry.slots, carry.grads, carry.outs, carry.d_inputs
     if do_forward:
       entering = jnp.where(row[F_FROM_INPUT] == 1, inputs[row[F_MICRO]], carry.x)
-      y, kept = forward(entering, w, consts, row[F_CHUNK] * C)
+      y, kept = forward(entering, w, consts, row[F_CHUNK] * C, rank_active)
       slots = [
         jax.lax.dynamic_update_index_in_dim(s, a, row[F_SLOT], 0) for s, a in zip(slots, kept)
       ]
@@ -282,7 +290,7 @@ def run(
       done = jax.vmap(
         functools.partial(rank_trip, do_forward=do_forward, do_backward=do_backward),
         spmd_axis_name=MESH_AXIS,
-      )(rank_weights, rank_constants, inputs, row, carry)
+      )(rank_weights, rank_constants, inputs, row, carry, mask)
       # Forward outputs move one rank on, gradients one rank back.
       moved = done._replace(x=jnp.roll(done.x, 1, 0), g=jnp.roll(done.g, -1, 0))
       return jax.tree.map(pin, moved), None
@@ -300,14 +308,15 @@ def run(
       jax.tree.map(jnp.add, head_grads, group_grads),
     )
 
+  mask = None if active is None else jnp.asarray(active)
   per_rank = lambda a: pin(jnp.zeros((P, *a.shape), a.dtype))
   sample = inputs[0, 0]
   with rules.vmapped(MESH_AXIS):
     # The forward traced once for the residuals' shapes (and the vjp's structure).
     kept_shapes = jax.eval_shape(
       lambda x, first: jax.vmap(
-        lambda x, w, c: forward(x, w, c, first)[1], spmd_axis_name=MESH_AXIS
-      )(x, rank_weights, rank_constants),
+        lambda x, w, c, a: forward(x, w, c, first, a)[1], spmd_axis_name=MESH_AXIS
+      )(x, rank_weights, rank_constants, mask),
       jnp.zeros((P, *sample.shape), sample.dtype),
       jnp.zeros((), jnp.int32),
     )

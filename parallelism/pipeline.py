@@ -7,6 +7,14 @@ v P + s, so a micro-batch crosses the ranks V times, 0, 1, ..., P-1, 0, 1, ... (
 interleaved or circular schedule; V = 1 is GPipe). Stored row s V C + v C + j is model
 layer (v P + s) C + j; `stage_order` / `model_order` convert.
 
+Uneven split (`split`). When P V does not divide L, the layers may split as the published
+Megatron runs split them, with the embedding and the loss counted as pipeline layers:
+L + 2 = P V C, the first chunk one layer lighter (the embedding's place) and the last one
+too (the loss's). The stack then holds P V C rows, of which the first and the last in
+model order are padding: copies of a neighbouring layer that the chunks skip (their output
+replaced by their input, so their gradients are zero). Every chunk still runs C layer
+slots, as lockstep SPMD ranks do anyway; `active_rows` says which are layers.
+
 Schedule. The loop runs the stages in lockstep. One trip: every rank applies one chunk
 (C layers) to its current micro-batch, then the outputs move one rank on (a collective
 permute; the last rank's output returns to rank 0). At trip t rank s works on
@@ -83,11 +91,7 @@ def check(
   schedule: str = "gpipe",
 ) -> None:
   """Bad pipeline shapes raise UserInputError naming the field."""
-  if num_layers % (stages * virtual_stages):
-    raise UserInputError(
-      f"model.num_layers = {num_layers} does not split into mesh.pipeline "
-      f"{stages} x train.virtual_stages {virtual_stages} equal chunks"
-    )
+  split(num_layers, stages, virtual_stages)
   if schedule == "1f1b" and micro_batches % stages:
     raise UserInputError(
       f"train.pipeline_schedule 1f1b runs micro-batches in groups of mesh.pipeline = "
@@ -107,30 +111,86 @@ def check(
     )
 
 
-def _model_layer_of_row(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
-  chunk = num_layers // (stages * virtual_stages)
-  rows = np.arange(num_layers)
-  s, rest = np.divmod(rows, virtual_stages * chunk)
+def split(num_layers: int, stages: int, virtual_stages: int) -> tuple[int, bool]:
+  """(layer slots per chunk C, padded): equal chunks of L / (P V) layers, else with the
+  embedding and the loss counted as layers, (L + 2) / (P V) slots a chunk, the first and
+  the last chunk's outer slot padding. Neither: UserInputError."""
+  chunks = stages * virtual_stages
+  if num_layers % chunks == 0:
+    return num_layers // chunks, False
+  if (num_layers + 2) % chunks == 0 and num_layers + 2 >= 2 * chunks:
+    return (num_layers + 2) // chunks, True
+  raise UserInputError(
+    f"model.num_layers = {num_layers} does not split into mesh.pipeline {stages} x "
+    f"train.virtual_stages {virtual_stages} = {chunks} chunks: it must be a multiple of "
+    f"{chunks}, or {chunks} x C - 2 with C >= 2 (the embedding and the loss counted as layers)"
+  )
+
+
+def stack_rows(num_layers: int, stages: int, virtual_stages: int) -> int:
+  """Rows of the stored layer stack: L, or L + 2 with an uneven split's padding."""
+  chunk, _ = split(num_layers, stages, virtual_stages)
+  return stages * virtual_stages * chunk
+
+
+def _position_of_row(rows: int, stages: int, virtual_stages: int) -> np.ndarray:
+  """Each stored row's position in model order (padding included)."""
+  chunk = rows // (stages * virtual_stages)
+  s, rest = np.divmod(np.arange(rows), virtual_stages * chunk)
   v, j = np.divmod(rest, chunk)
   return (v * stages + s) * chunk + j
 
 
+def active_rows(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray | None:
+  """[P, V C] bool, whether each stored row of each rank is a layer; None for an even
+  split (every row is)."""
+  chunk, padded = split(num_layers, stages, virtual_stages)
+  if not padded:
+    return None
+  rows = stages * virtual_stages * chunk
+  position = _position_of_row(rows, stages, virtual_stages)
+  return ((position > 0) & (position < rows - 1)).reshape(stages, virtual_stages * chunk)
+
+
 def stage_order(layers: Any, stages: int, virtual_stages: int) -> Any:
-  """Layer-stacked arrays (leading axis L) from model order to the stored stage order."""
+  """Layer-stacked arrays (leading axis L) from model order to the stored stage order;
+  an uneven split's padding rows copy the layer beside them."""
 
   def leaf(x):
-    return x[_model_layer_of_row(x.shape[0], stages, virtual_stages)]
+    chunk, padded = split(x.shape[0], stages, virtual_stages)
+    position = _position_of_row(stages * virtual_stages * chunk, stages, virtual_stages)
+    if padded:
+      position = np.clip(position - 1, 0, x.shape[0] - 1)
+    return x[position]
 
   return jax.tree.map(leaf, layers)
 
 
-def model_order(layers: Any, stages: int, virtual_stages: int) -> Any:
-  """The inverse of `stage_order`."""
+def model_order(layers: Any, stages: int, virtual_stages: int, num_layers: int = 0) -> Any:
+  """The inverse of `stage_order`: the stored rows (num_layers of them layers; 0: all) in
+  model order, padding dropped."""
 
   def leaf(x):
-    return x[np.argsort(_model_layer_of_row(x.shape[0], stages, virtual_stages))]
+    order = np.argsort(_position_of_row(x.shape[0], stages, virtual_stages))
+    if num_layers and num_layers != x.shape[0]:
+      order = order[1:-1]
+    return x[order]
 
   return jax.tree.map(leaf, layers)
+
+
+def masked_chunk(
+  run_chunk: Callable[[jax.Array, Any, tuple[jax.Array, int]], jax.Array],
+  x: jax.Array,
+  params: Any,
+  first: jax.Array,
+  active: jax.Array,
+) -> jax.Array:
+  """An uneven split's chunk: its C rows from `first` one at a time, a padding row's output
+  replaced by its input. active [C] bool."""
+  for j in range(active.shape[0]):
+    x = jnp.where(active[j], run_chunk(x, params, (first + j, 1)), x)
+  return x
 
 
 def pin(x: jax.Array) -> jax.Array:
@@ -148,6 +208,7 @@ def run(
   inputs: jax.Array,
   stages: int,
   virtual_stages: int,
+  active: np.ndarray | None = None,
 ) -> jax.Array:
   """All layers on every micro-batch of one data-parallel replica through the pipeline.
 
@@ -156,8 +217,8 @@ def run(
   its remat boundary, so that a per-trip slice of the weights is never saved for the
   backward pass.
   layers: stacked [L, ...] in stage order, sharded over `pipeline`. inputs
-  [M, b, ...]: the replica's embedded micro-batches. Returns the last layer's outputs [M, b, ...],
-  held by rank 0.
+  [M, b, ...]: the replica's embedded micro-batches. active: `active_rows` of an uneven
+  split (None: even). Returns the last layer's outputs [M, b, ...], held by rank 0.
   """
   P, V, M = stages, virtual_stages, inputs.shape[0]
   C = jax.tree.leaves(layers)[0].shape[0] // (P * V)
@@ -165,14 +226,20 @@ def run(
   chunks = jax.tree.map(lambda x: x.reshape(P, V * C, *x.shape[1:]), layers)
   rank = jnp.arange(P)
 
-  def one_rank(params, t, s, x):
+  def one_rank(params, t, s, x, rank_active):
     k = t - s
     v = jnp.clip(k // M, 0, V - 1)
-    return run_chunk(x, params, (v * C, C))
+    if rank_active is None:
+      return run_chunk(x, params, (v * C, C))
+    row_active = jax.lax.dynamic_slice_in_dim(rank_active, v * C, C)
+    return masked_chunk(run_chunk, x, params, v * C, row_active)
+
+  mask = None if active is None else jnp.asarray(active)
 
   def trip(carry, t):
     x, buffer = carry  # [P, b, ...], [P, M, b, ...]
-    y = jax.vmap(one_rank, in_axes=(0, None, 0, 0), spmd_axis_name=MESH_AXIS)(chunks, t, rank, x)
+    y = jax.vmap(one_rank, in_axes=(0, None, 0, 0, 0), spmd_axis_name=MESH_AXIS)(
+      chunks, t, rank, x, mask)
     y = jnp.roll(y, 1, axis=0)  # rank s's output to rank s + 1
     # Rank 0 now holds what rank P-1 finished at this trip: keep it for its next chunk
     # (or as the final output). Before rank P-1's first micro-batch it holds nothing.

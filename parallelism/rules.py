@@ -32,11 +32,15 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("stage", "pipeline"),    # the same stack when pipelined: contiguous blocks per stage
     # Activations.
     ("batch", ("data", "fsdp")),
-    ("length", None),         # the sequence inside tensor-parallel regions
+    # The sequence inside tensor-parallel regions: split over `context` only (context
+    # parallelism, parallelism/context.py; each rank's tokens in load-balanced order).
+    ("length", "context"),
     # The sequence of the residual stream with sequence parallelism (model.sequence_parallel):
     # LayerNorm, biases and residual adds run on 1/tensor of the tokens, and the
     # tensor-parallel regions begin with an all-gather and end with a reduce-scatter.
-    ("act_seq", "tensor"),
+    # Context-major: a context rank's tokens are split over its tensor group, so the
+    # gathers over `tensor` rebuild that rank's `length` shard.
+    ("act_seq", ("context", "tensor")),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),

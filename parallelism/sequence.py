@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 from parallelism import rules
 
 TENSOR = "tensor"
+CONTEXT = "context"
 SEQUENCE = "act_seq"
 
 
@@ -52,10 +53,13 @@ _per_rank.defvjp(lambda scale, ranks: (_per_rank(scale, ranks), None),
                  lambda ranks, _, cotangents: (jnp.max(cotangents),))
 
 
-def _tensor_only(logical_axes: Sequence[str | None]) -> PartitionSpec:
-  return PartitionSpec(
-    *(TENSOR if a and TENSOR in rules.mesh_axes_of(a) else None for a in logical_axes)
-  )
+def _manual_only(logical_axes: Sequence[str | None], manual: frozenset[str]) -> PartitionSpec:
+  """The spec of logical_axes over the shard_map's own axes (tensor, and context when the
+  sequence is split over it: `act_seq` is context-major, parallelism/context.py)."""
+  def part(name):
+    axes = tuple(a for a in (rules.mesh_axes_of(name) if name else ()) if a in manual)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return PartitionSpec(*(part(a) for a in logical_axes))
 
 
 def matmul(
@@ -108,7 +112,10 @@ def matmul(
       y = fn(spec, all_gather(x) if entry else x, w)
     return reduce_scatter(y) if out_axes[1] == SEQUENCE else y
 
-  x_spec, w_spec, out_spec = (_tensor_only(a) for a in (x_axes, w_axes, out_axes))
+  # With context parallelism `context` is manual too: its sequence shards are those the
+  # gathers over `tensor` complete (left automatic, the partitioner would reshard them).
+  manual = frozenset({TENSOR} | ({CONTEXT} if mesh.shape.get(CONTEXT, 1) > 1 else set()))
+  x_spec, w_spec, out_spec = (_manual_only(a, manual) for a in (x_axes, w_axes, out_axes))
   w = jax.tree.map(lambda leaf, scalar: _per_rank(leaf, ranks) if scalar else leaf, w, scalars)
   w_specs = jax.tree.map(lambda scalar: PartitionSpec(TENSOR) if scalar else w_spec, scalars)
   # Under the pipeline's vmaps (spmd_axis_name `pipeline` and `data`) those axes must be
@@ -122,6 +129,6 @@ def matmul(
     mesh=mesh,
     in_specs=(x_spec, w_specs),
     out_specs=out_spec,
-    axis_names={TENSOR} | rules.vmapped_axes(),
+    axis_names=manual | rules.vmapped_axes(),
     check_vma=False,
   )(x, w)

@@ -110,8 +110,10 @@ def check_divisible(tree: Any, mesh: Mesh) -> None:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Token batches [B, T]: batch split over every data-parallel axis."""
-  return NamedSharding(mesh, rules.spec(("batch", "length")))
+  """Token batches [B, T]: batch split over every data-parallel axis, each sequence whole
+  on every context rank (int32 tokens: each rank takes its load-balanced chunks itself,
+  parallelism/context.py, with no collective)."""
+  return NamedSharding(mesh, rules.spec(("batch", None)))
 
 
 def data_parallel_ways(mesh: Mesh) -> int:

@@ -291,7 +291,7 @@ def test_bad_pipeline_settings_are_refused(mesh_cfg, train, message):
 
 def test_pipeline_axis_crosses_infiniband_first():
   layout = plan(MeshConfig(data=2, tensor=2, pipeline=2), 8)
-  assert layout.nvlink == {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 1}
+  assert layout.nvlink == {"data": 2, "fsdp": 1, "context": 1, "tensor": 2, "pipeline": 1}
   assert layout.infiniband["pipeline"] == 2
 
 
@@ -327,3 +327,67 @@ def test_fp8_weights_are_cast_once_a_step_outside_the_pipeline_loop():
     )
   # One cast per kernel stack, none per trip or per layer.
   assert _f8_weight_casts(jaxpr.jaxpr, kernels) == (4, 0)
+
+
+# ------------------------------------------------------------------ uneven pipeline stages
+def test_uneven_split_counts_the_embedding_and_the_loss_as_layers():
+  # 6 layers in 2 x 2 chunks of 2 slots: model positions 0 and 7 are the embedding's and
+  # the loss's places, padding rows that copy their neighbour.
+  assert pipeline.split(6, 2, 2) == (2, True) and pipeline.split(8, 2, 2) == (2, False)
+  assert pipeline.split(126, 8, 8) == (2, True) and pipeline.stack_rows(126, 8, 8) == 128
+  rows = pipeline.stage_order(np.arange(6), stages=2, virtual_stages=2)
+  # Rank 0: chunk 0 (padding, layer 0) and chunk 2 (layers 3, 4); rank 1: chunk 1
+  # (layers 1, 2) and chunk 3 (layer 5, padding).
+  assert rows.tolist() == [0, 0, 3, 4, 1, 2, 5, 5]
+  assert pipeline.active_rows(6, 2, 2).tolist() == [[False, True, True, True],
+                                                    [True, True, True, False]]
+  assert pipeline.active_rows(8, 2, 2) is None
+  assert pipeline.model_order(rows, 2, 2, num_layers=6).tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("layers, stages, virtual", [(5, 2, 2), (2, 2, 2), (125, 8, 8)])
+def test_a_split_that_does_not_cover_the_layers_is_one_line(layers, stages, virtual):
+  with pytest.raises(UserInputError, match=r"^model.num_layers = \d+ does not split") as e:
+    pipeline.check(layers, stages, virtual, micro_batches=8)
+  assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def single_device_6_layers():
+  return _train(_program(MeshConfig(data=1), 1, model=dataclasses.replace(MODEL, num_layers=6)))
+
+
+@pytest.mark.parametrize(
+  "schedule, sequence_parallel",
+  [("1f1b", True), ("interleaved", False)],
+  ids=["interleaved-1f1b-sequence-parallel", "interleaved-lockstep"],
+)
+def test_uneven_stages_match_one_device(schedule, sequence_parallel, single_device_6_layers):
+  """6 layers on pipeline 2 x 2 virtual stages (data 2, tensor 2): the embedding's and the
+  loss's slots are padding the chunks skip. Same float32 reductions as the even cases,
+  so the same tolerance (RTOL, ATOL above); the skipped rows add exact zeros."""
+  mesh_cfg = MeshConfig(data=2, tensor=2, pipeline=2)
+  train = dataclasses.replace(TRAIN, pipeline_schedule=schedule, virtual_stages=2, micro_batch=1)
+  model = dataclasses.replace(MODEL, num_layers=6, sequence_parallel=sequence_parallel,
+                              remat="elementwise")
+  program = _program(mesh_cfg, 8, model=model, train=train)
+  assert program.abstract_state.params["layers"]["fc1_kernel"].shape[0] == 8
+  losses, params, collectives = _train(program)
+  params["layers"] = pipeline.model_order(params["layers"], 2, 2, num_layers=6)
+  _assert_same((losses, params, collectives), single_device_6_layers)
+  assert collectives["collective-permute"] >= 2
+
+
+def test_uneven_stages_keep_an_amax_history_per_stored_row():
+  """FP8 delayed scaling on the uneven 1F1B pipeline: a history row for each of the 8
+  stored rows (padding included), and the first step's loss as on one device (its casts
+  use the same initial scales; an FP8 rounding can flip where the sharded sums differ in
+  order, moving the mean over 128 tokens by well under 1e-3)."""
+  model = dataclasses.replace(MODEL, num_layers=6, remat="elementwise", fp8=True,
+                              fp8_amax_history=4, compute_dtype="bfloat16")
+  train = dataclasses.replace(TRAIN, pipeline_schedule="1f1b", virtual_stages=2, micro_batch=1)
+  program = _program(MeshConfig(data=2, tensor=2, pipeline=2), 8, model=model, train=train)
+  assert program.abstract_state.fp8_history["fc1_kernel"].get_value().shape == (8, 2, 4)
+  losses, _, _ = _train(program, steps=1)
+  reference, _, _ = _train(_program(MeshConfig(data=1), 1, model=model), steps=1)
+  np.testing.assert_allclose(losses, reference, rtol=1e-3)

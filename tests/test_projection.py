@@ -264,7 +264,7 @@ ENTRY %main (a: bf16[8192,8192], b: bf16[8192,8192]) -> bf16[8192,8192] {
 
 def test_collectives_are_named_by_the_mesh_axes_they_run_along():
   # Compiled mesh data 2 x fsdp 1 x tensor 2 x pipeline 2: partition 4 d + 2 t + p.
-  reduced = layout.ReducedMesh(None, {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 2}, 8, 1, 1)
+  reduced = layout.ReducedMesh(None, {"data": 2, "fsdp": 1, "context": 1, "tensor": 2, "pipeline": 2}, 8, 1, 1)
   tensor = ((0, 2), (1, 3), (4, 6), (5, 7))
   assert layout.axes_of(tensor, reduced) == "tensor"
   assert layout.axes_of(((0, 4), (1, 5), (2, 6), (3, 7)), reduced) == "data"

@@ -22,7 +22,7 @@ from errors import UserInputError
 from model.config import ModelConfig
 from model import fp8
 from model.gpt import GPT, kernels, residual_axes, run_layers
-from parallelism import gradients, pipeline, sharding
+from parallelism import context, gradients, pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
 
@@ -71,7 +71,8 @@ def loss_pieces(model_cfg: ModelConfig, graphdef: nnx.GraphDef) -> gradients.Los
     stack=lambda params, scales: model(params).layer_params(scales),
     run_layers=functools.partial(run_layers, model_cfg),
     head=lambda params, x: model(params).head(x),
-    loss=cross_entropy,
+    # The model runs the tokens in context parallelism's order: targets alike.
+    loss=lambda logits, targets: cross_entropy(logits, context.permuted(targets)),
     split_params=split_params,
     join_params=lambda rest, layers: nnx.State({**rest, "layers": layers}),
     split_stack=fp8.split_casts,
@@ -91,6 +92,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     raise UserInputError(f"model.seq_len = {model_cfg.seq_len} does not divide over mesh tensor "
                          f"= {mesh.shape['tensor']} (model.sequence_parallel)")
 
+  model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
 
   def init() -> TrainState:
@@ -100,7 +102,10 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     history = {}
     if model_cfg.delayed_scaling:
       stack_axis = "stage" if pipelined else "layers"
-      history = {name: fp8.new_history(model_cfg.num_layers, model_cfg.fp8_amax_history,
+      # Pipelined, one history per stored row (an uneven split's padding included).
+      rows = pipeline.stack_rows(model_cfg.num_layers, stages, virtual) if pipelined else (
+        model_cfg.num_layers)
+      history = {name: fp8.new_history(rows, model_cfg.fp8_amax_history,
                                        stack_axis) for name in kernels(model_cfg)}
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), history)
 

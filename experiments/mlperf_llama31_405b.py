@@ -1,0 +1,122 @@
+"""The MLPerf Training Llama 3.1 405B benchmark (rounds v5.0 and v5.1): train Llama 3.1 405B
+from Meta's checkpoint to a validation log perplexity of 5.6; the score is the wall clock
+(evaluation included), RCP-normalized.
+
+The published definition, reference convergence and calibration points are in
+reference/mlperf_llama31_405b.py (sources: docs/sources/mlperf-llama31-405b.md). The
+recorded `time_to_train_min` is the RCP-normalized score, comparable with the published
+one; `time_to_train.run_time_min` is the run's own wall clock, comparable with its result
+log (experiments/_time_to_train.py RcpNormalizedTimeToTrain). The published
+configurations are named variants; a projection on a GPU count that matches one uses it
+by default:
+
+  python launch.py --mode=project --experiment=mlperf_llama31_405b --hardware=h100 --gpus=8192
+  python launch.py --mode=project --experiment=mlperf_llama31_405b --hardware=gb200 --gpus=2496
+"""
+
+import dataclasses
+
+from experiments import ExperimentConfig
+from experiments._time_to_train import RcpNormalizedTimeToTrain
+from model.config import preset
+from parallelism.mesh import MeshConfig
+from reference import mlperf_llama31_405b as published
+from train.config import TrainConfig
+
+
+def benchmark(round_name: str) -> RcpNormalizedTimeToTrain:
+  """The benchmark as a round defines it: its evaluation schedule and its RCPs."""
+  return RcpNormalizedTimeToTrain(
+    name=f"mlperf_llama31_405b {round_name}",
+    seq_len=published.SEQ_LEN,
+    eval_interval_sequences=published.EVAL_INTERVAL_SEQUENCES[round_name],
+    eval_sequences=published.EVAL_SEQUENCES,
+    mean_samples_by_global_batch=published.rcp_mean_samples(round_name),
+    eval_skip_base=published.EVAL_SKIP_BASE[round_name],
+    eval_skip_per_10k_sequences=published.EVAL_SKIP_PER_10K_SEQUENCES[round_name],
+  )
+
+
+BENCHMARKS = {name: benchmark(name) for name in published.EVAL_INTERVAL_SEQUENCES}
+
+
+def train_config(global_batch: int, micro_batch: int, round_name: str = "v5.0") -> TrainConfig:
+  """The benchmark's optimizer and schedule for a global batch (its rules): AdamW 0.9 /
+  0.95, eps 1e-5, weight decay 0.1, clip 1.0; peak 8e-5 x GBS / 1152 after ceil(8000 x
+  1152 / GBS) warm-up steps, cosine decay to 8e-7."""
+  peak = published.learning_rate(global_batch)
+  return TrainConfig(
+    global_batch=global_batch,
+    micro_batch=micro_batch,
+    steps=BENCHMARKS[round_name].steps_to_converge(global_batch),
+    learning_rate=peak,
+    lr_warmup_steps=published.warmup_steps(global_batch),
+    lr_decay_steps=published.decay_steps(global_batch),
+    min_lr_ratio=published.END_LEARNING_RATE / peak,
+    weight_decay=published.WEIGHT_DECAY,
+    beta1=published.BETA1,
+    beta2=published.BETA2,
+    eps=published.EPS,
+    grad_clip=published.GRAD_CLIP,
+  )
+
+
+# Llama 3.1 405B with the benchmark's tokenizer (the Mixtral 8x22B vocabulary), sequence
+# 8,192. As for GPT-3 175B (experiments/mlperf_gpt3_175b.py, which gives the reasons):
+# bf16 parameters and Adam moments split over `data` (the published runs keep fp32
+# master weights in Megatron's distributed optimizer), cuDNN flash attention, sequence
+# parallelism, the saved activations of Megatron's runs without recomputation (remat
+# "elementwise"), FP8 with delayed scaling by Transformer Engine's defaults.
+MODEL = dataclasses.replace(
+  preset("llama3.1-405b"),
+  vocab_size=published.VOCAB_SIZE,
+  param_dtype="bfloat16",
+  remat="elementwise",
+  attention="cudnn",
+  sequence_parallel=True,
+  fp8=True,
+  fp8_amax_history=1024,
+)
+
+
+def _variant(run: published.PublishedRun) -> ExperimentConfig:
+  """A published configuration: data parallelism over the GPUs that TP x PP x CP leave."""
+  return ExperimentConfig(
+    name="mlperf_llama31_405b",
+    description=f"{run.round_name} {run.system}: {run.gpus:,} {run.hardware.upper()}, "
+    f"TP {run.tensor}, PP {run.pipeline}, virtual stages {run.virtual_stages}, CP "
+    f"{run.context}, micro-batch {run.micro_batch}, GBS {run.global_batch} "
+    f"(published {run.score_min} min)",
+    model=MODEL,
+    mesh=MeshConfig(data=-1, context=run.context, tensor=run.tensor, pipeline=run.pipeline),
+    # The published runs' interleaved 1F1B schedule (parallelism/one_f_one_b.py); 126
+    # layers in 8 x 8 chunks of 2 slots, the embedding and the loss counted as layers
+    # (parallelism/pipeline.py split).
+    train=dataclasses.replace(
+      train_config(run.global_batch, run.micro_batch, run.round_name),
+      pipeline_schedule="1f1b",
+      virtual_stages=run.virtual_stages,
+      shard_optimizer=True,
+    ),
+    benchmark=BENCHMARKS[run.round_name],
+    latency_profile=True,
+  )
+
+
+# The calibration points (reference/mlperf_llama31_405b.py CALIBRATION), by name and GPU
+# count. No efficiency parameter of hardware/catalog.py is fitted to them.
+PUBLISHED = {
+  "eos_8192": published.CALIBRATION[0],
+  "carina_2496": published.CALIBRATION[1],
+}
+
+
+def get_config() -> ExperimentConfig:
+  variants = {name: _variant(run) for name, run in PUBLISHED.items()}
+  return dataclasses.replace(
+    variants["eos_8192"],
+    variants=variants,
+    variant_by_gpus={run.gpus: name for name, run in PUBLISHED.items()},
+    description="MLPerf Llama 3.1 405B time to train (RCP-normalized); published "
+    "configurations by GPU count (eos_8192 H100, carina_2496 GB200), else eos_8192's",
+  )

@@ -1,0 +1,110 @@
+"""Context parallelism: each sequence split over the `context` mesh axis.
+
+Every activation's sequence axis is split over `context` (rules.py `length`, and
+`act_seq` context-major with sequence parallelism), so each rank runs the matmuls, norms
+and MLP on its own tokens only. Attention is the one place a token needs others: its
+keys and values come from every earlier position.
+
+Causal load balance (Megatron-Core / Transformer Engine): the sequence is cut into
+2 CP chunks and rank r holds chunks r and 2 CP - 1 - r, so every rank has as many
+early (cheap) as late (expensive) queries. The program's token order is that
+permutation (`order`): the batch arrives whole on every context rank (int32 tokens,
+sharding.batch_sharding) and `permuted` reorders inputs and targets before anything is
+split, with no collective; the loss is a mean over tokens, indifferent to their order.
+Rotary and learned positions use each token's true position (`positions`).
+
+The K/V exchange is one all-gather over `context` per layer (`attention`), its
+transpose a reduce-scatter of dK/dV, rather than a ring of CP - 1 collective-permutes
+with an online-softmax merge per step. With grouped-query attention the K/V are small
+(2 G K values a token, Llama 3.1 405B: 2 x 8 x 128 = 2,048 against d_model 16,384), so the
+gather moves little; it is one collective that XLA can schedule as soon as K/V exist,
+with the whole attention one masked softmax after it and autodiff's transpose for the
+backward. The cost is overlap: the gather's latency is exposed unless the scheduler
+hides it behind the Q projection, where a ring hides each step behind the previous
+chunk's attention. The mask compares true positions, so the attention runs as XLA's
+softmax attention: cuDNN's causal mask (jax.nn.dot_product_attention) is by index,
+which the load-balanced order is not, so model.attention=cudnn is refused with a
+context axis (model/config.py).
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from parallelism import rules
+
+CONTEXT = "context"
+
+
+def ranks() -> int:
+  """Context-parallel ranks of the current mesh (1 outside a mesh or without the axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or CONTEXT not in mesh.shape:
+    return 1
+  return mesh.shape[CONTEXT]
+
+
+def order(seq_len: int, context_ranks: int) -> np.ndarray:
+  """The true positions in the program's token order [seq_len]: rank r's block is chunk r
+  then chunk 2 CP - 1 - r of 2 CP equal chunks (0 .. seq_len - 1 with one rank)."""
+  if context_ranks == 1:
+    return np.arange(seq_len)
+  chunks = np.arange(seq_len).reshape(2 * context_ranks, -1)
+  return np.concatenate([np.concatenate([chunks[r], chunks[2 * context_ranks - 1 - r]])
+                         for r in range(context_ranks)])
+
+
+def positions(seq_len: int) -> np.ndarray:
+  """True positions of the program's tokens on the current mesh."""
+  return order(seq_len, ranks())
+
+
+def permuted(tokens: jax.Array) -> jax.Array:
+  """tokens [B, T] (inputs or targets) in the program's token order; unchanged with one
+  context rank."""
+  context_ranks = ranks()
+  if context_ranks == 1:
+    return tokens
+  return tokens[:, order(tokens.shape[1], context_ranks)]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array,
+              attend: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+              ) -> jax.Array:
+  """Causal attention over the context ranks. q [B, T, H, K], k, v [B, T, G, K], each split
+  along T over `context` in the program's token order -> [B, T, H, K], split likewise.
+
+  attend(q, k, v, mask) is the local attention, mask [Tq, Tk] bool (True: attend). Each
+  rank all-gathers K/V and masks by true positions; heads and batch stay split as they
+  are (the shard_map is manual over `context` only).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  T = q.shape[1]
+  true_positions = order(T, mesh.shape[CONTEXT])
+  # XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters, which the gather's
+  # transpose is, so on CPU meshes K/V cross in float32 (as sequence.py's collectives do).
+  device = mesh.abstract_device
+  wire = jnp.float32 if device is not None and device.platform == "cpu" else None
+
+  def gathered(x):
+    return jax.lax.all_gather(x.astype(wire or x.dtype), CONTEXT, axis=1,
+                              tiled=True).astype(x.dtype)
+
+  def local(q, k, v, q_positions):
+    mask = q_positions[:, None] >= jnp.asarray(true_positions)[None, :]  # [T / CP, T]
+    return attend(q, gathered(k), gathered(v), mask)
+
+  seq = PartitionSpec(None, CONTEXT)
+  # check_vma=False as in sequence.py: under the pipeline's vmaps (which add manual axes)
+  # the inputs vary over axes the specs do not name; every collective here is explicit.
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(seq, seq, seq, PartitionSpec(CONTEXT)),
+    out_specs=seq,
+    axis_names={CONTEXT} | rules.vmapped_axes(),
+    check_vma=False,
+  )(q, k, v, jnp.asarray(true_positions, jnp.int32))

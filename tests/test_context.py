@@ -1,0 +1,167 @@
+"""Context parallelism (parallelism/context.py): the load-balanced token order, steps over
+`context` equal to one device, the K/V all-gather on the context axis, rank-local
+activations, bad combinations refused."""
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import experiments
+from errors import UserInputError
+from experiments import overrides
+from model.config import ModelConfig, preset
+from parallelism import context
+from parallelism.mesh import MeshConfig, build_mesh, plan
+from projection import hlo_text
+from train import data
+from train import step as train_step
+from train.config import TrainConfig
+
+# A tiny Llama (4 query heads sharing 2 K/V heads, rotary positions) and a tiny GPT
+# (learned positions, fused QKV); T = 16 and D = 32 make the activation shapes below
+# recognisable in the HLO.
+# The Llama's rotary base is small and unscaled so that positions turn its queries and
+# keys visibly over 16 tokens (Llama 3's 500,000 and factor 8 barely turn them at T = 16,
+# and a step with positions by index would pass for one with true positions).
+LLAMA = dataclasses.replace(preset("llama3-tiny"), d_model=32, head_dim=8, ffn_dim=64,
+                            seq_len=16, vocab_size=128, compute_dtype="float32",
+                            rope_theta=100.0, rope_scale_factor=1.0)
+GPT = ModelConfig(num_layers=2, d_model=32, num_heads=4, head_dim=8, seq_len=16,
+                  vocab_size=128)
+TRAIN = TrainConfig(global_batch=8, steps=2, warmup_steps=0, task="learnable",
+                    learning_rate=1e-2, lr_warmup_steps=1)
+# float32 throughout; the sharded step sums in another order than one device (the
+# softmax over keys in gathered order, the loss over permuted tokens, weight gradients
+# over context ranks: a relative 1e-7 per sum of at most a few hundred terms), and two
+# Adam steps carry that into the parameters (O(1e-2) updates normalised per entry by the
+# gradient's size): rtol for the entries, atol for those a warm-up-sized update leaves
+# near zero (as tests/test_llama.py and test_pipeline.py).
+RTOL, ATOL = 2e-4, 2e-5
+
+
+def _program(model: ModelConfig, mesh_cfg: MeshConfig):
+  devices = math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.context, mesh_cfg.tensor,
+                       mesh_cfg.pipeline))
+  mesh_cfg = dataclasses.replace(mesh_cfg, devices_per_node=devices)  # one node
+  return train_step.build(model, TRAIN, build_mesh(plan(mesh_cfg, devices),
+                                                   jax.devices()[:devices]))
+
+
+def _train(program, model: ModelConfig, steps: int = 2):
+  """Losses, final parameters and the compiled step's text (compiled under the mesh)."""
+  compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
+  state, losses = program.init(), []
+  for i in range(steps):
+    batch = data.batch(TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len,
+                       model.vocab_size)
+    state, metrics = compiled(state, jax.device_put(batch, program.batch_sharding))
+    losses.append(float(metrics["loss"]))
+  return losses, jax.tree.map(np.asarray, state.params), compiled.as_text()
+
+
+_ONE_DEVICE = {}
+
+
+def _one_device(model: ModelConfig):
+  key = dataclasses.replace(model, sequence_parallel=False)
+  if key not in _ONE_DEVICE:
+    _ONE_DEVICE[key] = _train(_program(key, MeshConfig(data=1)), key)
+  return _ONE_DEVICE[key]
+
+
+def _context_groups(program) -> set[tuple[int, ...]]:
+  """Partition ids of each group along `context` (partition i is mesh.devices.flat[i])."""
+  mesh = program.mesh
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  axis = mesh.axis_names.index(context.CONTEXT)
+  along = np.moveaxis(ids, axis, -1).reshape(-1, mesh.shape[context.CONTEXT])
+  return {tuple(int(i) for i in g) for g in along}
+
+
+def _collectives_over(text: str, kind: str, groups: set, num_partitions: int) -> list[str]:
+  """Shapes of the compiled `kind` collectives whose replica groups are exactly `groups`."""
+  found = []
+  for comp in hlo_text.parse_module(text)[0].values():
+    for ins in comp.instrs:
+      if ins.opcode not in (kind, f"{kind}-start"):
+        continue
+      parsed = hlo_text.parse_replica_groups(ins.attrs.get("replica_groups", "{}"),
+                                             num_partitions)
+      if {tuple(g) for g in parsed} == groups:
+        found.append(ins.shape)
+  return found
+
+
+def test_each_rank_holds_chunk_i_and_chunk_2cp_minus_1_minus_i():
+  np.testing.assert_array_equal(context.order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
+  order = context.order(16, 4).reshape(4, 2, 2)  # [rank, its two chunks, 2 tokens]
+  for rank in range(4):
+    np.testing.assert_array_equal(order[rank, :, 0] // 2, [rank, 7 - rank])
+  np.testing.assert_array_equal(np.sort(context.order(24, 3)), np.arange(24))
+  np.testing.assert_array_equal(context.order(8, 1), np.arange(8))
+
+
+@pytest.mark.parametrize("model, mesh_cfg, sequence_parallel", [
+  (LLAMA, MeshConfig(data=1, context=2), False),
+  (LLAMA, MeshConfig(data=1, context=2, tensor=2), True),
+  (LLAMA, MeshConfig(data=2, context=2), False),
+  # GPT: learned positions and a fused QKV kernel, with FSDP under tensor + SP.
+  (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
+], ids=["llama-context2", "llama-context2-tensor2-sp", "llama-context2-data2",
+        "gpt-context2-fsdp2-tensor2-sp"])
+def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_parallel):
+  program = _program(dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg)
+  losses, params, text = _train(program, model)
+  losses_1, params_1, _ = _one_device(model)
+  np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
+  assert losses[1] < losses[0]  # it trains
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+  # The K/V exchange: all-gathers of [.., T, G, K] over exactly the context groups, and
+  # their transpose (dK, dV) reduce-scattered over them.
+  T, G, K = model.seq_len, model.kv_heads, model.head_dim
+  groups, partitions = _context_groups(program), program.mesh.devices.size
+  gathered = _collectives_over(text, "all-gather", groups, partitions)
+  assert any(re.search(rf"\[\d+,{T},{G}(?:,\d+)?,{K}\]", s) for s in gathered), gathered
+  assert _collectives_over(text, "reduce-scatter", groups, partitions)
+  # No rank holds a full-sequence residual stream [b, T, D] or logits [b, T, V]; each
+  # holds its T / CP tokens (and with sequence parallelism T / (CP x tensor)).
+  D, V = model.d_model, model.padded_vocab
+  assert not re.search(rf"f32\[\d+,{T},(?:{D}|{V})\]", text)
+  local = T // mesh_cfg.context // (mesh_cfg.tensor if sequence_parallel else 1)
+  assert re.search(rf"f32\[\d+,{local},{D}\]", text)
+
+
+@pytest.mark.parametrize("model, mesh_cfg, message", [
+  (dataclasses.replace(LLAMA, seq_len=12), MeshConfig(data=1, context=4),
+   "model.seq_len = 12 does not split into 2 x mesh.context = 8 equal chunks"),
+  (dataclasses.replace(LLAMA, seq_len=12, sequence_parallel=True),
+   MeshConfig(data=1, context=2, tensor=4),
+   "a context rank's 6 tokens do not divide over mesh.tensor = 4"),
+  (dataclasses.replace(GPT, attention="cudnn"), MeshConfig(data=1, context=2),
+   "model.attention = 'cudnn' cannot run with mesh.context = 2"),
+  (dataclasses.replace(LLAMA, fp8=True), MeshConfig(data=1, context=2),
+   "model.fp8 with mesh.context = 2 is not supported"),
+  (dataclasses.replace(LLAMA, num_layers=2), MeshConfig(data=1, context=2, pipeline=2),
+   "mesh.pipeline = 2 with mesh.context = 2 is not supported"),
+])
+def test_bad_context_parallel_settings_are_refused(model, mesh_cfg, message):
+  with pytest.raises(UserInputError, match=re.escape(message)) as raised:
+    _program(model, mesh_cfg)
+  assert "\n" not in str(raised.value)
+
+
+def test_context_parallel_shortcut_and_mesh_placement():
+  exp = overrides.apply(experiments.load("llama3"), ["context_parallel=4"])
+  assert exp.mesh.context == 4
+  with pytest.raises(UserInputError, match="context_parallel"):
+    overrides.apply(exp, ["context_parallel=0"])
+  # Context fills the node after tensor, before fsdp and data.
+  layout = plan(MeshConfig(data=2, fsdp=2, context=2, tensor=2, devices_per_node=4), 16)
+  assert layout.nvlink == {"data": 1, "fsdp": 1, "context": 2, "tensor": 2, "pipeline": 1}
+  assert layout.infiniband["fsdp"] == 2 and layout.infiniband["data"] == 2

@@ -1,0 +1,126 @@
+"""The MLPerf Llama 3.1 405B benchmark as data: the RCP-normalized time-to-train arithmetic,
+the reference convergence interpolated between batches, both rounds' evaluation
+schedules, the learning-rate rule and the published configurations by GPU count. No
+compile (a 405B chunk is not cheap on 2 cores; the projections compile it). Every figure here is Python arithmetic on the published numbers;
+pytest.approx's default (1e-6 relative) absorbs only float rounding where a formula is
+written in another order than the code's.
+"""
+
+import pytest
+
+import experiments
+from errors import UserInputError
+from parallelism import pipeline
+from experiments import mlperf_llama31_405b as mlperf
+from experiments._time_to_train import RcpNormalizedTimeToTrain
+from reference import mlperf_llama31_405b as published
+
+V50, V51 = mlperf.BENCHMARKS["v5.0"], mlperf.BENCHMARKS["v5.1"]
+
+
+def test_rcp_means_are_the_reference_runs_means():
+  means = published.rcp_mean_samples("v5.0")
+  assert means[2304] == (4 * 368_640 + 2 * 414_720) / 6 == 384_000
+  assert means[9216] == 691_200
+  assert published.rcp_mean_samples("v5.1")[4608] == 488_448
+
+
+def test_mean_samples_interpolate_linearly_between_rcp_batches():
+  # 1,536 is a third of the way from 1,152 (322,560) to 2,304 (384,000).
+  assert V50.mean_samples(1536) == pytest.approx(322_560 + (384_000 - 322_560) / 3)
+  assert V50.mean_samples(1152) == 322_560
+  # 1,248 is a twelfth of the way.
+  assert V50.mean_samples(1248) == pytest.approx(322_560 + 61_440 / 12)
+  with pytest.raises(UserInputError, match="global batches 1008-9216 only"):
+    V50.mean_samples(512)
+  with pytest.raises(UserInputError, match="global batches 1152-4608 only"):
+    V51.mean_samples(9216)
+
+
+@pytest.mark.parametrize("run", published.CALIBRATION, ids=lambda r: f"{r.gpus}")
+def test_the_run_costed_stops_where_the_calibration_runs_stopped(run):
+  # The last evaluation at or before the reference mean: 7 intervals of 30 (GBS 1,536)
+  # and of 37 (GBS 1,248), the steps of the published logs.
+  assert V50.steps_to_converge(run.global_batch) == run.steps
+  assert V50.evaluations(run.global_batch) == 7
+  factor = V50.normalization(run.global_batch)
+  assert factor == pytest.approx(V50.mean_samples(run.global_batch) / (run.steps * run.global_batch))
+  # Within 0.4% of the ratio of the published score to the cited log's run time: the
+  # score is the median run's, whose samples may differ from the cited log's.
+  assert factor == pytest.approx(run.score_min / run.run_time_min, rel=4e-3)
+
+
+def test_time_to_train_arithmetic_v50():
+  # GBS 1,536, step 5 s, an evaluation a third of a step's FLOPs: 210 steps = 1,050 s,
+  # 7 evaluations of ceil(5760 / 1536) = 4 batches = 7 x 4 x 5 / 3 s; scaled by
+  # 343,040 / 322,560.
+  est = V50.estimate(5.0, 1536, 1 / 3)
+  run_s = 1050 + 7 * 4 * 5 / 3
+  assert est["steps_to_converge"] == 210 and est["evaluations"] == 7
+  assert est["eval_s_each"] == pytest.approx(20 / 3)
+  assert est["tokens_to_converge"] == 210 * 1536 * 8192
+  assert est["run_time_min"] == pytest.approx(run_s / 60)
+  assert est["time_to_train_min"] == pytest.approx(run_s * 343_040 / 322_560 / 60)
+
+
+def test_v51_skips_the_first_evaluations():
+  # GBS 1,152: every ceil(18432 / 1152) = 16 steps, the first floor(0.0026 x 1152 + 12) =
+  # 14 not run; the mean 313,344 = 272 steps = 17 intervals, 3 of them evaluated.
+  assert (V51.eval_interval_steps(1152), V51.skipped_evaluations(1152)) == (16, 14)
+  assert (V51.steps_to_converge(1152), V51.evaluations(1152)) == (272, 3)
+  assert V51.normalization(1152) == 1.0
+  est = V51.estimate(10.0, 1152, 0.25)
+  assert est["eval_s"] == pytest.approx(3 * 5 * 10 * 0.25)  # ceil(5760 / 1152) = 5 batches
+  # floor(0.0026 x GBS + 12) in integers, so 0.0026 x 5,000 = 13 counts whole.
+  assert V51.skipped_evaluations(5000) == 25 and V50.skipped_evaluations(5000) == 0
+
+
+def test_a_run_converges_no_earlier_than_its_first_evaluation_run():
+  # GBS 4,608 in v5.1: intervals of 4 steps, 23 skipped; the mean, 488,448 = 106 steps,
+  # is past 26 intervals (104 steps), the last 3 of them evaluated.
+  assert (V51.eval_interval_steps(4608), V51.skipped_evaluations(4608)) == (4, 23)
+  assert (V51.steps_to_converge(4608), V51.evaluations(4608)) == (104, 3)
+  # A batch whose mean lies before the first evaluation run stops at that evaluation,
+  # and a run with more samples than the mean is not scaled down.
+  bench = RcpNormalizedTimeToTrain("t", 8192, 18_432, 5760, {4608: 300_000.0}, 12, 26)
+  assert bench.steps_to_converge(4608) == (23 + 1) * 4 and bench.evaluations(4608) == 1
+  assert bench.normalization(4608) == 1.0
+
+
+def test_learning_rate_rule_by_global_batch():
+  assert published.learning_rate(1152) == pytest.approx(8e-5)
+  assert published.learning_rate(2304) == pytest.approx(16e-5)
+  assert published.warmup_steps(1152) == 8000
+  assert published.warmup_steps(1536) == 6000 and published.warmup_steps(1248) == 7385
+  cfg = mlperf.train_config(1536, 1)
+  assert cfg.learning_rate == pytest.approx(8e-5 * 1536 / 1152)
+  assert cfg.learning_rate * cfg.min_lr_ratio == pytest.approx(8e-7)
+  assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip) == (
+    0.9, 0.95, 1e-5, 0.1, 1.0)
+  assert cfg.steps == 210
+
+
+def test_published_configurations_are_the_default_for_their_gpu_counts():
+  exp = experiments.load("mlperf_llama31_405b")
+  eos = experiments.at_gpus(exp, 8192)
+  assert (eos.mesh.tensor, eos.mesh.pipeline, eos.train.virtual_stages) == (8, 8, 8)
+  assert (eos.train.global_batch, eos.train.micro_batch, eos.train.pipeline_schedule) == (
+    1536, 1, "1f1b")
+  carina = experiments.at_gpus(exp, 2496)
+  assert (carina.mesh.tensor, carina.mesh.pipeline, carina.train.virtual_stages) == (4, 8, 8)
+  assert (carina.train.global_batch, carina.train.micro_batch) == (1248, 1)
+  assert experiments.at_gpus(exp, 1024) is exp
+  for variant in (eos, carina):
+    assert variant.benchmark is V50 and variant.train.shard_optimizer
+    assert variant.mesh.context == 2 and variant.mesh.data == -1
+  # Each published run's batch: per-replica batch x GPUs / (TP x PP x CP).
+  for run in published.CALIBRATION:
+    replicas = run.gpus // (run.tensor * run.pipeline * run.context)
+    assert run.global_batch % replicas == 0
+    assert (run.global_batch // replicas) % run.pipeline == 0  # 1F1B's groups of P
+  # 126 layers in 8 x 8 chunks: the embedding and the loss take two slots of 128.
+  assert pipeline.split(126, 8, 8) == (2, True)
+  model = exp.model
+  assert (model.num_layers, model.d_model, model.num_heads, model.num_kv_heads, model.ffn_dim,
+          model.seq_len, model.vocab_size) == (126, 16384, 128, 8, 53248, 8192, 32_768)
+  assert model.fp8 and model.sequence_parallel and not model.tie_embeddings
