@@ -41,11 +41,9 @@ import numpy as np  # noqa: E402
 
 import experiments  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
-from parallelism import mesh as mesh_lib  # noqa: E402
+from measure.point import PointOptions, run_point  # noqa: E402
 from parallelism.mesh import MeshConfig  # noqa: E402
 from projection import host_calibration, project  # noqa: E402
-from train import loop  # noqa: E402
-from train import step as train_step  # noqa: E402
 
 TARGET_ERROR = 0.25
 
@@ -100,11 +98,9 @@ def experiment(point: Point, steps: int = 10) -> experiments.ExperimentConfig:
 
 
 def measure(exp: experiments.ExperimentConfig, devices: int, hooks=()) -> list[float]:
-  """Step times as `launch.py --mode=benchmark --devices=N` measures them."""
-  layout = mesh_lib.plan(exp.mesh, devices)
-  mesh = mesh_lib.build_mesh(layout, jax.devices()[:devices])
-  program = train_step.build(exp.model, exp.train, mesh)
-  return loop.run(program, exp.model, exp.train, hooks=hooks).step_times_s
+  """Step times as `launch.py --mode=benchmark --devices=N` measures them (its run_point)."""
+  options = PointOptions(output_dir=None, hooks=tuple(hooks), show=False)
+  return run_point(exp, "benchmark", jax.devices()[:devices], options).result.step_times_s
 
 
 def compare(

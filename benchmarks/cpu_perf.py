@@ -38,12 +38,12 @@ import jax
 import numpy as np
 
 import experiments
+from measure.point import build_point
 from model.config import ModelConfig
 from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
 from report import table
 from train import data, loop
-from train import step as train_step
 from train.config import TrainConfig
 
 EXPERIMENTS = ("cpu_char", "cpu_gpt2_small")
@@ -57,8 +57,11 @@ class JaxStep:
 
   def __init__(self, model: ModelConfig, train: TrainConfig, mesh_cfg: mesh_lib.MeshConfig):
     self.model, self.train = model, train
-    mesh = mesh_lib.build_mesh(mesh_lib.plan(mesh_cfg, 1), jax.devices()[:1])
-    self.program = train_step.build(model, train, mesh)
+    # launch.py's plan -> build_mesh -> build (run_point's first half); the steps are run
+    # here, one at a time, to interleave them with PyTorch's.
+    exp = experiments.ExperimentConfig(name=model.name, description="cpu_perf", model=model,
+                                       mesh=mesh_cfg, train=train)
+    _, self.program = build_point(exp, jax.devices()[:1])
     start = time.perf_counter()
     self.compiled = self.program.lower(train.global_batch, model.seq_len).compile()
     self.compile_s = time.perf_counter() - start

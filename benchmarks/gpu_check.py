@@ -65,8 +65,8 @@ import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
+from measure.point import PointOptions, run_point  # noqa: E402
 from model.flops import param_count, train_flops_per_token  # noqa: E402
-from parallelism import mesh as mesh_lib  # noqa: E402
 from projection import collective_timing, cost_model, hlo, project  # noqa: E402
 from train import hooks as hooks_lib  # noqa: E402
 from train import loop  # noqa: E402
@@ -113,6 +113,13 @@ CONFIGS = (
          ("model=gpt3-1.3b", "model.attention=cudnn", "precision=fp8",
           "train.global_batch=8"),
          ("precision=fp8", "train.global_batch=8"), _XLA_ATTENTION),
+  # Last, so the time budget drops it first. Llama 3.2 1B: Meta's shapes (model/config.py).
+  Config("llama", "grouped-query attention, SwiGLU, a 128K vocabulary: Llama 3.2 1B, bf16, "
+         "cuDNN attention, 4 x 4096 tokens",
+         ("model=llama3.2-1b", "model.attention=cudnn", "model.seq_len=4096",
+          "train.global_batch=4"),
+         ("model=llama3-tiny", "train.global_batch=8"),
+         ("model.attention=xla", "train.global_batch=1")),
 )
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 
@@ -182,11 +189,10 @@ def experiment(config: Config, dry_run: bool, steps: int, warmup_steps: int,
 
 def measure(exp: experiments.ExperimentConfig, device,
             hooks: tuple = ()) -> tuple[loop.RunResult, train_step.TrainProgram]:
-  """The run `launch.py --mode=benchmark --devices=1` times, on `device`."""
-  layout = mesh_lib.plan(exp.mesh, 1)
-  mesh = mesh_lib.build_mesh(layout, [device])
-  program = train_step.build(exp.model, exp.train, mesh)
-  return loop.run(program, exp.model, exp.train, hooks=hooks), program
+  """The run `launch.py --mode=benchmark --devices=1` times (its run_point), on `device`."""
+  options = PointOptions(output_dir=None, hooks=tuple(hooks), show=False)
+  point = run_point(exp, "benchmark", [device], options)
+  return point.result, point.program
 
 
 def peak_tflops(hw: Hardware) -> tuple[float, str]:

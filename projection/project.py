@@ -24,6 +24,7 @@ from hardware.catalog import Hardware
 from model.flops import param_count, train_flops_per_token
 from projection import (aot_compile, collective_timing, cost_model, hlo, host_calibration,
                         layout, step_loops)
+from records.points import ProjectedPoint, to_json
 
 GB = 1e9
 
@@ -58,7 +59,8 @@ def project(exp, hw_name: str, gpus: int) -> dict:
 
 def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   """The projection record of `exp` on `reduced.target`, compiled as `reduced` says (tests
-  pass a `reduced` equal to the target to compare against a direct compile)."""
+  pass a `reduced` equal to the target to compare against a direct compile): a
+  records.points.ProjectedPoint as its JSON object (a dict: the search adds its keys)."""
   target = reduced.target
   gpus = target.devices
   timer = collective_timing.collective_timer(reduced, hw)
@@ -73,60 +75,57 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   memory_gb = (step.memory_per_device_bytes
                - step.data_sharded_state_bytes * (1 - 1 / data_growth)) / GB
   capacity_gb = hw.hbm_bytes / GB
-  record = {
-      "mode": "project", "experiment": exp.name, "model": exp.model.name,
-      "params": param_count(exp.model), "hardware": hw.name, "gpus": gpus,
-      "devices": gpus, "nodes": target.nodes, "mesh": target.sizes,
-      "mesh_nvlink": target.nvlink, "mesh_infiniband": target.infiniband,
-      "compiled_mesh": reduced.sizes, "global_batch": exp.train.global_batch,
-      "micro_batches": reduced.micro_batches,
-      "compiled_micro_batches": reduced.compiled_micro_batches,
-      "seq_len": exp.model.seq_len, "tokens_per_step": tokens_per_step,
-      "compute_dtype": exp.model.compute_dtype, "remat": exp.model.remat,
-      "compile_target": step.compile_target, "compile_note": step.note,
-      "compile_s": round(compile_s, 3),
-      "hlo_flops_per_device": hlo.total_flops(program),
-      "hlo_flops_per_step": hlo.total_flops(program) * gpus,
-      "hlo_matmul_flops_per_step": hlo.dot_flops(program) * gpus,
-      "memory_per_gpu_gb": memory_gb, "hbm_capacity_gb": capacity_gb,
-      "fits": memory_gb <= capacity_gb,
-      "peak_tflops_per_device": hw.peak_tflops("bf16"),
-  }
-  if not record["fits"]:
-    record["over_capacity_gb"] = memory_gb - capacity_gb
-    return record
+  point = dict(
+      mode="project", experiment=exp.name, model=exp.model.name,
+      params=param_count(exp.model), hardware=hw.name, devices=gpus, nodes=target.nodes,
+      mesh=target.sizes, mesh_nvlink=target.nvlink, mesh_infiniband=target.infiniband,
+      compiled_mesh=reduced.sizes, global_batch=exp.train.global_batch,
+      micro_batches=reduced.micro_batches,
+      compiled_micro_batches=reduced.compiled_micro_batches,
+      seq_len=exp.model.seq_len, tokens_per_step=tokens_per_step,
+      compute_dtype=exp.model.compute_dtype, remat=exp.model.remat,
+      compile_target=step.compile_target, compile_note=step.note,
+      compile_s=round(compile_s, 3),
+      hlo_flops_per_device=hlo.total_flops(program),
+      hlo_flops_per_step=hlo.total_flops(program) * gpus,
+      hlo_matmul_flops_per_step=hlo.dot_flops(program) * gpus,
+      memory_per_gpu_gb=memory_gb, hbm_capacity_gb=capacity_gb,
+      fits=memory_gb <= capacity_gb,
+      peak_tflops_per_device=hw.peak_tflops("bf16"),
+  )
+  if not point["fits"]:
+    return to_json(ProjectedPoint(**point, over_capacity_gb=memory_gb - capacity_gb))
 
   cost = cost_model.simulate(program.entry, hw, timer)
   tokens_per_s = tokens_per_step / cost.step_s
   model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
   if hlo.uses_fp8(program) and hw.peak_tflops("fp8"):
-    record["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
+    point["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
   if exp.benchmark is not None:
     # An evaluation is a forward pass: a third of the model's training FLOPs, against
     # the compiled step's FLOPs (which include recomputation).
-    forward = train_flops_per_token(exp.model) / 3 * tokens_per_step / record["hlo_flops_per_step"]
-    record["time_to_train"] = exp.benchmark.estimate(cost.step_s, exp.train.global_batch,
-                                                     forward)
-    record["time_to_train_min"] = record["time_to_train"]["time_to_train_min"]
-  record.update({
-      "step_time_s": cost.step_s,
-      "tokens_per_s": tokens_per_s,
-      "tokens_per_s_per_gpu": tokens_per_s / gpus,
-      "tokens_per_s_per_device": tokens_per_s / gpus,
-      "model_tflops_per_device": model_tflops,
-      "mfu": model_tflops / hw.peak_tflops("bf16"),
+    forward = train_flops_per_token(exp.model) / 3 * tokens_per_step / point["hlo_flops_per_step"]
+    point["time_to_train"] = exp.benchmark.estimate(cost.step_s, exp.train.global_batch,
+                                                    forward)
+    point["time_to_train_min"] = point["time_to_train"]["time_to_train_min"]
+  return to_json(ProjectedPoint(
+      **point,
+      step_time_s=cost.step_s,
+      tokens_per_s=tokens_per_s,
+      tokens_per_s_per_device=tokens_per_s / gpus,
+      model_tflops_per_device=model_tflops,
+      mfu=model_tflops / hw.peak_tflops("bf16"),
       # bubble_s: the pipeline's idle trips, a part of the step that the other three
       # also cover (its ops and waits are counted there too).
       # memory_bound_s is the part of compute_s whose time HBM traffic sets, the rest
       # being matmuls (and any op) at the FLOP rate; exposed_comm_by_axis_s splits
       # exposed_comm_s by the mesh axes of its collectives.
-      "breakdown": {"compute_s": cost.compute_s, "exposed_comm_s": cost.exposed_comm_s,
-                    "other_s": cost.other_s,
-                    "bubble_s": step_loops.bubble_s(program, hw, timer, reduced.micro_batches,
-                                                    stages, virtual),
-                    "memory_bound_s": cost.memory_bound_s,
-                    "exposed_comm_by_axis_s": collective_timing.exposed_comm_by_axis_s(
-                        program, hw, reduced, timer)},
-      "comm_s": cost.comm_s,
-  })
-  return record
+      breakdown={"compute_s": cost.compute_s, "exposed_comm_s": cost.exposed_comm_s,
+                 "other_s": cost.other_s,
+                 "bubble_s": step_loops.bubble_s(program, hw, timer, reduced.micro_batches,
+                                                 stages, virtual),
+                 "memory_bound_s": cost.memory_bound_s,
+                 "exposed_comm_by_axis_s": collective_timing.exposed_comm_by_axis_s(
+                     program, hw, reduced, timer)},
+      comm_s=cost.comm_s,
+  ))

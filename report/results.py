@@ -4,14 +4,22 @@ A writer killed mid-line leaves a partial last line. The next append starts a ne
 after it rather than joining the two (which would make the new record unreadable too),
 and reading skips any line that is not a JSON object with a one-line warning naming it;
 nothing already in the file is rewritten or dropped.
+
+This module is the one writer and reader of the file. A record is a
+records.points.MeasuredPoint or ProjectedPoint, or a dict (a sweep's point, which adds
+its labels, or a search's, which adds the candidate); reading folds the duplicate keys of
+older files into the kept ones (records.points.OLD_KEYS), so an old file still resumes a
+sweep.
 """
 
+import datetime
 import json
 import os
 import sys
 import tempfile
 
 from errors import UserInputError
+from records import points
 
 FILE = "results.jsonl"
 
@@ -59,10 +67,16 @@ def _ends_mid_line(path: str) -> bool:
     return f.read(1) != b"\n"
 
 
-def append(output_dir: str, record: dict) -> str:
+def append(output_dir: str, record, stamp: bool = False) -> str:
+  """Append one record as it is (with `stamp`, with the time it is written, UTC, as
+  `time`); the file's path."""
+  data = points.to_json(record)
+  if stamp:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    data = {**data, "time": now.isoformat(timespec="seconds")}
   os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, FILE)
-  line = json.dumps(record) + "\n"
+  line = json.dumps(data) + "\n"
   if _ends_mid_line(path):
     print(f"warning: {path} ended in a partial line (a writer was killed?); it is kept "
           f"as it is and the new record starts on the next line", file=sys.stderr)
@@ -73,7 +87,8 @@ def append(output_dir: str, record: dict) -> str:
 
 
 def read(output_dir: str) -> list[dict]:
-  """Every record; lines that are not a JSON object are skipped with a warning each."""
+  """Every record, as dicts with today's keys; lines that are not a JSON object are
+  skipped with a warning each."""
   path = os.path.join(output_dir, FILE)
   if not os.path.exists(path):
     return []
@@ -90,5 +105,5 @@ def read(output_dir: str) -> list[dict]:
         print(f"warning: {path} line {number} is not a JSON object (a partial write?); "
               f"skipped", file=sys.stderr)
         continue
-      records.append(record)
+      records.append(points.upgrade(record))
   return records

@@ -39,7 +39,7 @@ def _efficiency_sentence(records: list[dict]) -> list[str]:
     largest = _largest(records, scaling)
     if not largest:
       continue
-    unit = "GPUs" if "gpus" in largest[0] else "devices"
+    unit = "GPUs" if largest[0]["sweep_mode"] == "project" else "devices"
     bases = {r["scaling_baseline_devices"] for r in largest}
     parts = ", ".join(
       f"{r['hardware'].upper()} {r['scaling_efficiency']:.0%} at {r['devices']:,}"

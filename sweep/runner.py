@@ -18,14 +18,15 @@ from collections.abc import Callable
 import tqdm
 
 from errors import UserInputError
+from measure import fit
+from measure.point import PointOptions, run_point
 from parallelism import mesh as mesh_lib
 from projection import layout, project
+from records.points import to_json
 from report import results
 from sweep import metrics
 from sweep.definitions import Sweep
 
-# (experiment, device count) -> a measured record, as launch.py's benchmark mode makes it.
-Measure = Callable[[object, int], dict]
 # device count -> the experiment configuration that count runs.
 AtCount = Callable[[int], object]
 
@@ -80,13 +81,22 @@ def point_experiment(base, exp, sweep: Sweep, point: Point):
   return dataclasses.replace(exp, train=dataclasses.replace(exp.train, global_batch=batch))
 
 
-def _run_point(base, at_count: AtCount, sweep: Sweep, point: Point, measure: Measure) -> dict:
+def _measure(exp, devices: int, options: PointOptions) -> dict:
+  """A benchmark-mode measured point on the first `devices` local devices."""
+  measured = run_point(exp, "benchmark", fit.devices(devices), options).record
+  if measured is None:  # only when --checkpoint_dir already holds the run's last step
+    raise RuntimeError(f"no steps left to time: the checkpoint in {options.checkpoint_dir} "
+                       f"is at the run's last step")
+  return dict(to_json(measured))
+
+
+def _run_point(base, at_count: AtCount, sweep: Sweep, point: Point, options: PointOptions) -> dict:
   try:
     point_exp = point_experiment(base, at_count(point.devices), sweep, point)
     if sweep.mode == "project":
       record = project.project(point_exp, point.hardware, point.devices)
     else:
-      record = measure(point_exp, point.devices)
+      record = _measure(point_exp, point.devices, options)
   except UserInputError as e:
     return {"status": "cannot_run", "reason": str(e)}
   except Exception as e:  # pylint: disable=broad-except
@@ -117,16 +127,18 @@ def run(
   exp,
   sweep: Sweep,
   output_dir: str,
-  measure: Measure,
   platform: str,
   at_count: AtCount | None = None,
+  options: PointOptions | None = None,
 ) -> list[dict]:
   """Run the points not yet in `output_dir`; return every record of this sweep.
 
   `exp` names the sweep and fingerprints its configuration; `at_count(n)` is the
-  experiment as n devices run it (default: `exp` at every count).
+  experiment as n devices run it (default: `exp` at every count); a measured point runs
+  with `options` (default: TensorBoard scalars in `output_dir`).
   """
   at_count = at_count or (lambda _: exp)
+  options = options or PointOptions(output_dir=output_dir)
   keyed = {point_key(exp, sweep, p): p for p in points(sweep, platform)}
   # results.read skips (with a warning) lines that are not records; a record of another
   # shape (a hand edit, another tool) is not this sweep's.
@@ -150,7 +162,7 @@ def run(
     for key in progress:
       point = keyed[key]
       progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
-      record = _run_point(exp, at_count, sweep, point, measure)
+      record = _run_point(exp, at_count, sweep, point, options)
       _label(record, exp, sweep, key, point)
       if record["status"] == "failed":
         progress.write(f"point {key} failed: {record['reason']}")

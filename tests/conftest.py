@@ -22,3 +22,28 @@ atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_e
 import platform_env  # noqa: E402
 
 platform_env.configure(host_devices=8)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def toy_experiment():
+  """A factory of the toy experiment the search and MLPerf tests lay out on one 8-GPU
+  node: a 4-layer GPT of 2 heads of 64, 128 tokens, bfloat16, 16 sequences a step. 4
+  layers and 2 heads break tensor 4 and 8 and pipeline x virtual stages of 8 and up, so
+  both the valid and the refused layouts are small. `model` fields override the model's."""
+  import experiments  # noqa: PLC0415 (after the platform is configured above)
+  from model.config import ModelConfig  # noqa: PLC0415
+  from parallelism.mesh import MeshConfig  # noqa: PLC0415
+  from train.config import TrainConfig  # noqa: PLC0415
+
+  def make(name: str = "toy", mesh: MeshConfig | None = None, train: TrainConfig | None = None,
+           **model) -> experiments.ExperimentConfig:
+    fields = dict(name=name, num_layers=4, d_model=128, num_heads=2, head_dim=64, seq_len=128,
+                  vocab_size=256, compute_dtype="bfloat16")
+    return experiments.ExperimentConfig(
+        name=name, description=f"{name}: the tests' toy experiment",
+        model=ModelConfig(**{**fields, **model}), mesh=mesh or MeshConfig(data=-1),
+        train=train or TrainConfig(global_batch=16))
+
+  return make

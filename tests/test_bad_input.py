@@ -177,19 +177,20 @@ def test_append_after_a_partial_line_starts_a_new_one(tmp_path, capsys):
   assert len(warning) == 1 and "line 2" in warning[0]
 
 
-def test_sweep_resumes_past_lines_that_are_not_records(tmp_path, capsys):
+def test_sweep_resumes_past_lines_that_are_not_records(tmp_path, capsys, monkeypatch):
   sweep = Sweep(mode="benchmark", counts=(1, 2), scalings=("configured",))
   measured = []
 
-  def measure(exp, devices):
+  def measure(exp, devices, options):
     measured.append(devices)
     return {"tokens_per_s_per_device": 1.0, "tokens_per_s": float(devices)}
 
-  first = runner.run(TINY, sweep, str(tmp_path), measure, "cpu")
+  monkeypatch.setattr(runner, "_measure", measure)
+  first = runner.run(TINY, sweep, str(tmp_path), "cpu")
   assert measured == [1, 2]
   with open(tmp_path / "results.jsonl", "a") as f:
     f.write('[1, 2]\n{"sweep_key": ["x"]}\n{"status": "ok"}\n{"sweep_key": "')
-  again = runner.run(TINY, sweep, str(tmp_path), measure, "cpu")
+  again = runner.run(TINY, sweep, str(tmp_path), "cpu")
   assert measured == [1, 2]  # both points found despite the bad lines
   assert [r["sweep_key"] for r in again] == [r["sweep_key"] for r in first]
   err = capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""launch.py as a user runs it: the default experiment, the results file, bad input."""
+"""launch.py as a user runs it (the default experiment, the results file, one bad input
+per route to the user) and its modes' refusals of bad input, in-process."""
 
 import glob
 import json
@@ -8,8 +9,17 @@ import struct
 import subprocess
 import sys
 
+import jax
 import pytest
 from tensorboardX.proto import event_pb2
+
+import experiments
+from errors import UserInputError
+from measure.point import build_point
+from modes import options as options_lib
+from parallelism import mesh as mesh_lib
+from sweep import definitions as sweep_definitions
+from train import hooks as hooks_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +56,7 @@ def test_default_experiment_trains_and_appends_a_record(tmp_path):
               "peak_tflops_per_device", "mfu", "losses"):
     assert key in record, key
   assert record["devices"] == 8 and record["nodes"] == 2
-  assert record["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1}
+  assert record["mesh"] == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2, "pipeline": 1}
   assert len(record["losses"]) == 3 + 2  # timed steps plus the untimed warm-up steps
   assert 0 < record["mfu"] < 1
   scalars = _events(record["tensorboard_dir"])
@@ -64,7 +74,7 @@ def test_benchmark_on_fewer_devices_with_overrides(tmp_path):
   assert out.returncode == 0, out.stderr
   (record,) = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
   assert record["mode"] == "benchmark" and "losses" not in record
-  assert record["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "pipeline": 1}
+  assert record["mesh"] == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1, "pipeline": 1}
 
 
 def test_list_names_every_experiment():
@@ -74,35 +84,64 @@ def test_list_names_every_experiment():
     assert name in out.stdout
 
 
+def _experiment(*sets: str, name: str = "tiny") -> experiments.ExperimentConfig:
+  return options_lib.experiment(options_lib.Options(experiment=name, sets=sets), "train")
+
+
+def _plan(*sets: str) -> None:
+  mesh_lib.plan(_experiment(*sets).mesh, 8)
+
+
+def _build(*sets: str, name: str = "tiny") -> None:
+  build_point(_experiment(*sets, name=name), jax.devices())
+
+
+# Each refusal as launch.py's modes meet it, in-process: the configuration (overrides.apply
+# and the configs' validate), the mesh (mesh.plan over launch's 8 devices), the point's
+# checks before it compiles, the paths and the projection points.
+@pytest.mark.parametrize("refuse, message", [
+    (lambda: _experiment(name="nope"), "--experiment must be one of"),
+    (lambda: _experiment("model.num_layer=4"), "unknown key 'num_layer'"),
+    (lambda: _experiment("model.num_layers=four"), "model.num_layers: expected int"),
+    (lambda: _experiment("model.remat=some"), "model.remat must be one of"),
+    (lambda: _experiment("model=gpt3-9b"), "model must be one of"),
+    (lambda: _experiment("mesh.tensor"), "--set expects KEY=VALUE"),
+    (lambda: _plan("mesh.data=3"), "must equal the 8 devices"),
+    (lambda: _plan("mesh.fsdp=1", "mesh.tensor=8"), "does not fit in the NVLink domain"),
+    (lambda: _build("model.num_heads=3", "model.head_dim=16"),
+     "model.num_heads = 3 does not divide"),
+    (lambda: _build("model.vocab_multiple=1", "model.vocab_size=255"),
+     "padded model.vocab_size = 255"),
+    (lambda: _build("train.global_batch=6"), "train.global_batch = 6 does not divide"),
+    (lambda: _build("mesh.fsdp=4", "mesh.tensor=2", name="gpt3"), "model: gpt3-175b needs"),
+    (lambda: _build("model.attention=cudnn"), "model.attention=cudnn runs on NVIDIA GPUs only"),
+    (lambda: _experiment("train.beta1=2"), "train.beta1 must be a finite number in [0, 1)"),
+    (lambda: _experiment("train.learning_rate=inf"), "train.learning_rate must be a finite number"),
+    (lambda: hooks_lib.parse_profile_steps("4:2", 12), "--profile_steps must be A:B"),
+    (lambda: hooks_lib.parse_profile_steps("\u00b2:3", 12), "--profile_steps must be A:B"),
+    (lambda: sweep_definitions.get("cpu_gpt2_small"), "no sweep is defined"),
+    (lambda: options_lib.check_paths(options_lib.Options(output_dir="")), "--output_dir: empty"),
+    (lambda: options_lib.check_paths(options_lib.Options(checkpoint_dir="")),
+     "--checkpoint_dir: empty"),
+    (lambda: options_lib.projection_points(options_lib.Options(gpus=())), "--gpus: empty"),
+    (lambda: options_lib.projection_points(options_lib.Options(gpus=("\u00b2",))),
+     "--gpus takes positive whole numbers"),
+])
+def test_bad_input_is_refused_naming_the_field(refuse, message):
+  with pytest.raises(UserInputError) as refused:
+    refuse()
+  assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+# One launch.py start-up per way bad input reaches the user, each one line and exit 2
+# with nothing written: absl's flag parsing, the platform set-up before jax starts (the
+# device count, the multi-process flags) and a UserInputError raised by a mode.
 @pytest.mark.parametrize("args, message", [
-    (["--experiment=nope"], "--experiment must be one of"),
-    (["--set", "model.num_layer=4"], "unknown key 'num_layer'"),
-    (["--set", "model.num_layers=four"], "model.num_layers: expected int"),
-    (["--set", "model.remat=some"], "model.remat must be one of"),
-    (["--set", "model=gpt3-9b"], "model must be one of"),
-    (["--set", "mesh.tensor"], "--set expects KEY=VALUE"),
-    (["--set", "mesh.data=3"], "must equal the 8 devices"),
-    (["--set", "mesh.fsdp=1", "--set", "mesh.tensor=8"], "does not fit in the NVLink domain"),
-    (["--set", "model.num_heads=3", "--set", "model.head_dim=16"], "model.num_heads = 3 does not divide"),
-    (["--set", "model.vocab_multiple=1", "--set", "model.vocab_size=255"], "padded model.vocab_size = 255"),
-    (["--set", "train.global_batch=6"], "train.global_batch = 6 does not divide"),
-    (["--steps=abc"], "--steps"),
     (["--mode=fly"], "--mode"),
-    (["--devices=0"], "--devices"),
-    (["--experiment=gpt3", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2"], "model: gpt3-175b needs"),
-    (["--profile_steps=4:2"], "--profile_steps must be A:B"),
-    (["--mode=sweep", "--experiment=cpu_gpt2_small"], "no sweep is defined"),
-    (["--output_dir="], "--output_dir: empty"),
-    (["--checkpoint_dir="], "--checkpoint_dir: empty"),
-    (["--mode=project", "--gpus="], "--gpus: empty"),
-    (["--mode=project", "--gpus=\u00b2"], "--gpus takes positive whole numbers"),
     (["--devices=999999"], "--devices: at most 4,096"),
-    (["--profile_steps=\u00b2:3"], "--profile_steps must be A:B"),
     (["--coordinator_address=127.0.0.1", "--num_processes=2", "--process_id=0"],
      "--coordinator_address must be HOST:PORT"),
-    (["--set", "model.attention=cudnn"], "model.attention=cudnn runs on NVIDIA GPUs only"),
-    (["--set", "train.beta1=2"], "train.beta1 must be a finite number in [0, 1)"),
-    (["--set", "train.learning_rate=inf"], "train.learning_rate must be a finite number"),
+    (["--set", "model.num_layer=4"], "unknown key 'num_layer'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
   out = launch(f"--output_dir={tmp_path}", *args)

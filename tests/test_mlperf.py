@@ -19,11 +19,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import experiments
 from errors import UserInputError
-from experiments import ExperimentConfig
 from experiments import mlperf_gpt3_175b as mlperf
 from experiments import overrides
 from hardware import catalog
-from model.config import ModelConfig
 from model import fp8
 from model.gpt import attention
 from parallelism import sequence
@@ -212,7 +210,8 @@ def test_sequence_parallel_fp8_entries_all_gather_e4m3_on_h100():
   # Transformer Engine's FP8 all-gather: a tensor-parallel region's entry gathers the
   # E4M3 cast, not bfloat16 (model/fp8.py `gather`); the input gradient is reduce-scattered
   # in bfloat16.
-  mesh = Mesh(np.array(targets.target_devices("h100", 1, 2)).reshape(1, 1, 2, 1), AXES,
+  sizes = [2 if axis == "tensor" else 1 for axis in AXES]  # tensor 2, every other axis 1
+  mesh = Mesh(np.array(targets.target_devices("h100", 1, 2)).reshape(sizes), AXES,
               axis_types=(AxisType.Auto,) * len(AXES))
   x = jax.ShapeDtypeStruct((2, 256, 512), jnp.bfloat16,
                            sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
@@ -232,19 +231,15 @@ def test_sequence_parallel_fp8_entries_all_gather_e4m3_on_h100():
 
 
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
-def test_split_optimizer_gathers_the_fp8_kernels_casts_over_data_on_h100():
+def test_split_optimizer_gathers_the_fp8_kernels_casts_over_data_on_h100(toy_experiment):
   # With the moments split over data, FP8 kernels are stored split too and each step
   # all-gathers their E4M3 casts (train/step.py): one byte per kernel element over `data`,
   # and no kernel gathered in bfloat16 (the other parameters are far smaller).
-  exp = ExperimentConfig(
-    name="fp8_gather", description="FP8 parameter all-gather",
-    model=ModelConfig(name="fp8_gather", num_layers=4, d_model=128, num_heads=2, head_dim=64,
-                      seq_len=128, vocab_size=256, compute_dtype="bfloat16",
-                      param_dtype="bfloat16", fp8=True, fp8_amax_history=16),
-    mesh=MeshConfig(data=-1, tensor=2, pipeline=2),
+  exp = toy_experiment(
+    "fp8_gather", mesh=MeshConfig(data=-1, tensor=2, pipeline=2),
     train=TrainConfig(global_batch=16, micro_batch=1, pipeline_schedule="1f1b",
                       shard_optimizer=True),
-  )
+    param_dtype="bfloat16", fp8=True, fp8_amax_history=16)
   reduced = project.plan(exp, H100, 8)
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   program = aot_compile.compile_step(
@@ -260,27 +255,13 @@ def test_split_optimizer_gathers_the_fp8_kernels_casts_over_data_on_h100():
 
 # ----------------------------------------------------------------------------- pipeline bubble
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
-def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops():
+def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops(toy_experiment):
   # 2 stages x 2 virtual stages, 4 micro-batches per replica: 4 x 2 + 2 - 1 = 9 trips of
   # each pipeline loop (forward and backward), 1 of them idle.
-  exp = ExperimentConfig(
-    name="pp",
-    description="pipeline bubble",
-    model=ModelConfig(
-      name="pp",
-      num_layers=4,
-      d_model=128,
-      num_heads=2,
-      head_dim=64,
-      seq_len=128,
-      vocab_size=256,
-      compute_dtype="bfloat16",
-    ),
-    mesh=MeshConfig(data=-1, pipeline=2),
-    train=TrainConfig(
-      global_batch=16, micro_batch=1, pipeline_schedule="interleaved", virtual_stages=2
-    ),
-  )
+  exp = toy_experiment(
+    "pp", mesh=MeshConfig(data=-1, pipeline=2),
+    train=TrainConfig(global_batch=16, micro_batch=1, pipeline_schedule="interleaved",
+                      virtual_stages=2))
   record = project.project(exp, "h100", 8)
   assert (record["micro_batches"], record["compiled_micro_batches"]) == (4, 4)
   reduced = project.plan(exp, H100, 8)

@@ -16,38 +16,23 @@ import pytest
 from errors import UserInputError
 from experiments import ExperimentConfig
 from hardware import catalog
-from model.config import REMAT_POLICIES, ModelConfig
+from model.config import REMAT_POLICIES
 from parallelism.mesh import MeshConfig
 from projection import search, targets
-from train.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CUDA, _WHY = targets.cuda_available()
 H100 = catalog.get("h100")
 
-# 4 layers, 2 heads on one 8-GPU H100 node: tensor 4 and 8 break the heads, pipeline x
-# virtual stages 8 and up break the layers, and the 16 sequences break most micro-batches.
-SMALL = ExperimentConfig(
-  name="small",
-  description="search tests",
-  model=ModelConfig(
-    name="small",
-    num_layers=4,
-    d_model=128,
-    num_heads=2,
-    head_dim=64,
-    seq_len=128,
-    vocab_size=256,
-    compute_dtype="bfloat16",
-  ),
-  mesh=MeshConfig(data=-1),
-  train=TrainConfig(global_batch=16),
-)
+@pytest.fixture(scope="module")
+def small(toy_experiment):
+  """The toy experiment (tests/conftest.py) on one 8-GPU H100 node, data-parallel."""
+  return toy_experiment("small")
 
 
-def _valid_by_the_rules(c: search.Candidate, gpus: int = 8) -> bool:
+def _valid_by_the_rules(exp: ExperimentConfig, c: search.Candidate, gpus: int = 8) -> bool:
   """The shape rules, written out independently of the checks the search reuses."""
-  m, t = SMALL.model, SMALL.train
+  m, t = exp.model, exp.train
   tp, pp, vs, mb = c.tensor_parallel, c.pipeline_parallel, c.virtual_stages, c.micro_batch
   if m.num_heads % tp or H100.nvlink_domain_size % tp or gpus % (tp * pp):
     return False
@@ -64,16 +49,16 @@ def _valid_by_the_rules(c: search.Candidate, gpus: int = 8) -> bool:
   return vs == 1 or micro_batches // c.pipeline_passes >= pp
 
 
-def test_enumeration_and_pruning_follow_the_shape_rules():
-  ranking = search.rank(SMALL, H100, 8)
-  space = list(search.enumerate_space(SMALL, H100))
+def test_enumeration_and_pruning_follow_the_shape_rules(small):
+  ranking = search.rank(small, H100, 8)
+  space = list(search.enumerate_space(small, H100))
   # TP over the divisors of the NVLink domain, PP and VS over those of the layers (VS and
   # schedules only with a pipeline: 1f1b, or lockstep in each number of passes),
   # micro-batches over the divisors of the global batch, every remat.
   pipelined = 2 * 3 * (len(search.PIPELINE_PASSES) + 1)
   assert ranking.candidates == len(space) == 4 * (1 + pipelined) * 5 * len(REMAT_POLICIES)
   survivors = [c for c, _, _ in ranking.survivors]
-  assert set(survivors) == {c for c in space if _valid_by_the_rules(c)}
+  assert set(survivors) == {c for c in space if _valid_by_the_rules(small, c)}
   assert len(survivors) + sum(ranking.pruned.values()) == ranking.candidates
   # Each pruned candidate counts once, under the field its first failing check names.
   assert set(ranking.pruned) == {
@@ -102,13 +87,13 @@ def test_enumeration_and_pruning_follow_the_shape_rules():
   assert bubbles[(1, 1, 1)] == 0
 
 
-def test_delayed_fp8_scaling_prunes_the_lockstep_schedules():
+def test_delayed_fp8_scaling_prunes_the_lockstep_schedules(small):
   # Pipelined delayed scaling runs only under 1f1b (parallelism/gradients.py check_scales): the
   # lockstep candidates that were valid are pruned under its field (with others that a
   # later check would have pruned), the rest stay.
   delayed = dataclasses.replace(
-    SMALL, model=dataclasses.replace(SMALL.model, fp8=True, fp8_amax_history=16))
-  before = {c for c, _, _ in search.rank(SMALL, H100, 8).survivors}
+    small, model=dataclasses.replace(small.model, fp8=True, fp8_amax_history=16))
+  before = {c for c, _, _ in search.rank(small, H100, 8).survivors}
   ranking = search.rank(delayed, H100, 8)
   after = {c for c, _, _ in ranking.survivors}
   lockstep = {c for c in before if c.pipeline_parallel > 1 and not c.one_f_one_b}
@@ -116,20 +101,20 @@ def test_delayed_fp8_scaling_prunes_the_lockstep_schedules():
   assert ranking.pruned["model.fp8_amax_history"] >= len(lockstep)
 
 
-def test_state_over_hbm_is_pruned():
+def test_state_over_hbm_is_pruned(small):
   # HBM for a third of the unsharded parameters and optimizer state: only layouts that
   # split the layers 4 ways hold them (the embeddings are not split over the pipeline).
   whole = next(
     p.state_gb
-    for c, p, _ in search.rank(SMALL, H100, 8).survivors
+    for c, p, _ in search.rank(small, H100, 8).survivors
     if (c.tensor_parallel, c.pipeline_parallel) == (1, 1)
   )
-  small = dataclasses.replace(H100, hbm_gib=whole / 3 * 1e9 / 2**30)
-  ranking = search.rank(SMALL, small, 8)
+  little = dataclasses.replace(H100, hbm_gib=whole / 3 * 1e9 / 2**30)
+  ranking = search.rank(small, little, 8)
   assert ranking.pruned[search.STATE_REASON] > 0
   assert ranking.survivors
   assert all(c.tensor_parallel * c.pipeline_parallel >= 4 for c, _, _ in ranking.survivors)
-  assert all(p.state_gb <= small.hbm_bytes / 1e9 for _, p, _ in ranking.survivors)
+  assert all(p.state_gb <= little.hbm_bytes / 1e9 for _, p, _ in ranking.survivors)
 
 
 def _fake_projector(fitting_remat: set[str]):
@@ -153,10 +138,10 @@ def _fake_projector(fitting_remat: set[str]):
   return project
 
 
-def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first():
+def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first(small):
   appended = []
   found = search.search(
-    SMALL,
+    small,
     "h100",
     8,
     budget=7,
@@ -178,15 +163,15 @@ def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first():
   assert all(best[0]["step_time_s"] <= r["step_time_s"] for r in fitting)
   assert best[0]["search"]["prior_rank"] > 0  # the fastest, not the prior's first
   # Nothing fits: the least over capacity.
-  found = search.search(SMALL, "h100", 8, budget=3, projector=_fake_projector(set()))
+  found = search.search(small, "h100", 8, budget=3, projector=_fake_projector(set()))
   assert len(found.records) == 3 and not any(r["fits"] for r in found.records)
   over = [r["over_capacity_gb"] for r in found.best(3)]
   assert over == sorted(over)
 
 
-def test_no_valid_configuration_is_bad_input():
+def test_no_valid_configuration_is_bad_input(small):
   one = dataclasses.replace(
-    SMALL, mesh=MeshConfig(data=-1, fsdp=2), train=dataclasses.replace(SMALL.train, global_batch=1)
+    small, mesh=MeshConfig(data=-1, fsdp=2), train=dataclasses.replace(small.train, global_batch=1)
   )
   with pytest.raises(UserInputError, match="--gpus 8 on h100: none of the .* is valid"):
     search.search(one, "h100", 8, budget=1, projector=_fake_projector(set()))

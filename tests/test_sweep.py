@@ -7,6 +7,7 @@ the plots draw numbers a user would see; GPT-3 175B sweeps are timed outside the
 
 import csv
 import dataclasses
+import json
 import os
 
 import matplotlib.pyplot as plt
@@ -16,6 +17,7 @@ import pytest
 import experiments
 from errors import UserInputError
 from projection import project
+from records import points
 from report import export, plots, results, sweep_report
 from sweep import runner
 from sweep.definitions import Sweep
@@ -40,7 +42,7 @@ def swept(tmp_path_factory):
     model=dataclasses.replace(tiny.model, num_layers=1),
     train=dataclasses.replace(tiny.train, micro_batch=1),
   )
-  return exp, out, runner.run(exp, SWEEP, out, measure=None, platform="cpu")
+  return exp, out, runner.run(exp, SWEEP, out, platform="cpu")
 
 
 def _by_point(records):
@@ -77,20 +79,52 @@ def test_interrupted_sweep_resumes_with_the_missing_points_only(swept, tmp_path,
   calls = []
   real = project.project
   monkeypatch.setattr(project, "project", lambda *a: calls.append(a[1:]) or real(*a))
-  again = runner.run(exp, SWEEP, str(tmp_path), measure=None, platform="cpu")
+  again = runner.run(exp, SWEEP, str(tmp_path), platform="cpu")
   assert calls == [("h100", 8), ("h100", 16)]  # the weak series' two points
   assert len(results.read(str(tmp_path))) == 6
   for old, new in zip(records, again):
     assert {k: v for k, v in old.items() if k != "time"} == {
       k: v for k, v in new.items() if k != "time"
     }
-  runner.run(exp, SWEEP, str(tmp_path), measure=None, platform="cpu")
+  runner.run(exp, SWEEP, str(tmp_path), platform="cpu")
   assert len(calls) == 2 and len(results.read(str(tmp_path))) == 6
   # another configuration is another sweep: nothing of it is skipped
   other = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=3))
   assert runner.point_key(other, SWEEP, runner.points(SWEEP, "cpu")[0]) not in {
     r["sweep_key"] for r in results.read(str(tmp_path))
   }
+
+
+def test_a_results_file_with_the_old_duplicate_keys_still_resumes(swept, tmp_path, monkeypatch):
+  # Older files carried `gpus` beside `devices` and `tokens_per_s_per_gpu` beside
+  # `tokens_per_s_per_device` (equal values): read as the kept keys, every point is done.
+  exp, out, records = swept
+  lines = []
+  for line in open(os.path.join(out, "results.jsonl")):
+    record = json.loads(line)
+    record["gpus"] = record["devices"]
+    if "tokens_per_s_per_device" in record:
+      record["tokens_per_s_per_gpu"] = record["tokens_per_s_per_device"]
+    lines.append(json.dumps(record) + "\n")
+  (tmp_path / "results.jsonl").write_text("".join(lines))
+  calls = []
+  monkeypatch.setattr(project, "project", lambda *a: calls.append(a))
+  again = runner.run(exp, SWEEP, str(tmp_path), platform="cpu")
+  assert calls == []
+  assert again == results.read(out)
+  assert not any("gpus" in r or "tokens_per_s_per_gpu" in r for r in again)
+
+
+def test_projections_are_projected_point_records(swept):
+  fields = {f.name for f in dataclasses.fields(points.ProjectedPoint)}
+  labels = {"status", "reason", "sweep", "sweep_key", "sweep_config", "sweep_mode", "scaling",
+            "time", "scaling_baseline_devices", "scaling_efficiency", "token_budget",
+            "token_budget_label"}
+  ran = [r for r in swept[2] if r["status"] in ("ok", "does_not_fit")]
+  assert ran and all(set(r) - labels <= fields for r in ran)
+  for r in ran:  # and back: the record type's JSON is the record
+    projected = {k: v for k, v in r.items() if k in fields}
+    assert points.to_json(points.ProjectedPoint(**projected)) == projected
 
 
 def test_csv_agrees_with_jsonl(swept):

@@ -1,0 +1,91 @@
+"""A run's options (launch.py's flags, parsed) and what every mode derives from them: the
+experiment with its overrides, the projection points, the measured point's options."""
+
+import dataclasses
+
+import experiments
+import platform_env
+from errors import UserInputError
+from experiments import overrides
+from measure.point import PointOptions
+from projection import project
+from report import results
+from train import checkpoint as checkpoint_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """launch.py's flags of the same names."""
+
+  experiment: str = "tiny"
+  mode: str = "train"
+  steps: int | None = None
+  devices: int | None = None
+  output_dir: str = "runs"
+  hardware: tuple[str, ...] = ("h100",)
+  gpus: tuple[str, ...] = ("512",)  # as given: checked by projection_points
+  top: int = 5
+  search_budget: int = 0
+  profile_steps: str | None = None
+  checkpoint_dir: str | None = None
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 3
+  sets: tuple[str, ...] = ()  # --set KEY=VALUE, in order
+
+
+def experiment(options: Options, mode: str, first: tuple[str, ...] = (),
+               gpus: int | None = None) -> experiments.ExperimentConfig:
+  """The experiment on `gpus` GPUs (the variant they select), then `first` and the user's
+  --set overrides."""
+  exp = experiments.load(options.experiment)
+  if gpus is not None:
+    exp = experiments.at_gpus(exp, gpus)
+  exp = overrides.apply(exp, [*first, *options.sets])
+  if options.steps:
+    exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=options.steps))
+  if mode == "benchmark":
+    exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, task="synthetic"))
+  exp.model.validate()
+  exp.train.validate()
+  return exp
+
+
+def point_options(options: Options) -> PointOptions:
+  return PointOptions(output_dir=options.output_dir, profile_steps=options.profile_steps,
+                      checkpoint_dir=options.checkpoint_dir,
+                      checkpoint_every=options.checkpoint_every,
+                      keep_checkpoints=options.keep_checkpoints)
+
+
+def check_paths(options: Options) -> None:
+  """Where results, TensorBoard scalars and checkpoints go must be usable before any
+  compile: a run must not train to the end and then lose its record."""
+  results.check_writable(options.output_dir)
+  if options.checkpoint_dir is not None and options.mode in ("train", "benchmark"):
+    checkpoint_lib.check_directory(options.checkpoint_dir)
+  if options.checkpoint_every < 1:
+    raise UserInputError(f"--checkpoint_every must be a positive integer, got "
+                         f"{options.checkpoint_every}")
+  if options.keep_checkpoints < 1:
+    raise UserInputError(f"--keep_checkpoints must be a positive integer, got "
+                         f"{options.keep_checkpoints}")
+
+
+def projection_points(options: Options, check_plan: bool = True) -> list[tuple[str, int]]:
+  """Every (hardware, gpus) point, all checked before the first compile (with
+  `check_plan`, the experiment's own layout on each)."""
+  counts = []
+  if not options.gpus or not options.hardware:
+    raise UserInputError(f"--{'gpus' if not options.gpus else 'hardware'}: empty; give at "
+                         f"least one, comma-separated")
+  for text in options.gpus:
+    count = platform_env.whole_number(text.strip())
+    if count is None or count < 1:
+      raise UserInputError(f"--gpus takes positive whole numbers, got {text!r}")
+    counts.append(count)
+  points = [(name.strip().lower(), gpus) for name in options.hardware for gpus in counts]
+  for name, gpus in points:
+    hw = project.hardware(name, gpus)
+    if check_plan:
+      project.plan(experiment(options, "project", gpus=gpus), hw, gpus)
+  return points

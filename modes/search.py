@@ -1,0 +1,45 @@
+"""search mode: the best parallelism configurations on every --hardware x --gpus point."""
+
+import os
+import time
+
+import tqdm
+
+from modes.options import Options, experiment, projection_points
+from projection import search
+from report import points as printers
+from report import results
+
+
+def run(options: Options) -> list[dict]:
+  """Search each point: every valid configuration ranked by the prior, the first
+  --search_budget projected and appended, the best --top printed; every projected record."""
+  points = projection_points(options, check_plan=False)
+  for name, gpus in points:
+    search.check_point(name, gpus)
+  searches = []
+  for name, gpus in points:
+    exp = experiment(options, "project", gpus=gpus)
+    start = time.perf_counter()
+    bars: list[tqdm.tqdm] = []  # made at the first projection: bad input prints nothing else
+
+    def step(done: int, to_do: int, candidate: search.Candidate, bars=bars, name=name,
+             gpus=gpus) -> None:
+      if not bars:
+        bars.append(tqdm.tqdm(total=to_do, desc=f"searching {name} x {gpus}", unit="point"))
+      bars[0].update(done - bars[0].n)
+      bars[0].set_postfix_str(" ".join(candidate.assignments()[:3]))
+
+    try:
+      found = search.search(exp, name, gpus, options.search_budget, progress=step,
+                            on_record=lambda r: results.append(options.output_dir, r, stamp=True))
+      for bar in bars:
+        bar.update(bar.total - bar.n)
+    finally:
+      for bar in bars:
+        bar.close()
+    searches.append((exp, found, time.perf_counter() - start))
+  for exp, found, wall_s in searches:
+    print(printers.search_table(exp, found, wall_s, options.top))
+  print(f"\nappended to {os.path.join(options.output_dir, results.FILE)}")
+  return [r for _, found, _ in searches for r in found.records]

@@ -1,0 +1,24 @@
+"""train and benchmark modes: one measured point on this machine's devices."""
+
+import jax
+
+from measure import fit
+from measure.point import run_point
+from modes.options import Options, experiment, point_options
+from records.points import MeasuredPoint
+from report import points as printers
+from report import results
+
+
+def run(options: Options) -> list[MeasuredPoint]:
+  """Train (or time, in benchmark mode) the experiment; append and print its record
+  (process 0 of a multi-process run only)."""
+  exp = experiment(options, options.mode)
+  record = run_point(exp, options.mode, fit.devices(options.devices),
+                     point_options(options)).record
+  if record is None or jax.process_index() != 0:
+    return []
+  path = results.append(options.output_dir, record)
+  print(printers.measured_table(record))
+  print(f"\nappended to {path}")
+  return [record]
