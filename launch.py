@@ -17,8 +17,9 @@ import platform_env
 from modes import host_devices
 
 # First: XLA sizes the host platform (and jax joins a multi-process run) at start-up.
-platform_env.configure(host_devices.from_argv(sys.argv),
-                       platform_env.distributed_from_argv(sys.argv))
+platform_env.configure(
+  host_devices.from_argv(sys.argv), platform_env.distributed_from_argv(sys.argv)
+)
 
 # pylint: disable=wrong-import-position
 from absl import app, flags
@@ -30,43 +31,72 @@ from modes import project, search, sweep, train
 from modes.options import Options, check_paths
 from projection.search import DEFAULT_BUDGET
 
-MODES = {"train": train.run, "benchmark": train.run, "project": project.run,
-         "search": search.run, "sweep": sweep.run}
+MODES = {
+  "train": train.run,
+  "benchmark": train.run,
+  "project": project.run,
+  "search": search.run,
+  "sweep": sweep.run,
+}
 
 _EXPERIMENT = flags.DEFINE_string("experiment", "tiny", "Experiment name: a file in experiments/.")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
-_MODE = flags.DEFINE_enum("mode", "train", list(MODES),
-                          "train: run the experiment's task and record losses; "
-                          "benchmark: time the step on synthetic tokens; "
-                          "project: compile for --hardware and cost it on --gpus GPUs; "
-                          "search: the best parallelism configurations for --hardware and "
-                          "--gpus (projection/search.py); "
-                          "sweep: the experiment's sweep (sweep/definitions.py).")
+_MODE = flags.DEFINE_enum(
+  "mode",
+  "train",
+  list(MODES),
+  "train: run the experiment's task and record losses; "
+  "benchmark: time the step on synthetic tokens; "
+  "project: compile for --hardware and cost it on --gpus GPUs; "
+  "search: the best parallelism configurations for --hardware and "
+  "--gpus (projection/search.py); "
+  "sweep: the experiment's sweep (sweep/definitions.py).",
+)
 _STEPS = flags.DEFINE_integer("steps", None, "Timed steps (overrides train.steps).", lower_bound=1)
-_DEVICES = flags.DEFINE_integer("devices", None, "Use the first N local devices (default: all).",
-                                lower_bound=1)
+_DEVICES = flags.DEFINE_integer(
+  "devices", None, "Use the first N local devices (default: all).", lower_bound=1
+)
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs", "Where results.jsonl is appended.")
-_HARDWARE = flags.DEFINE_list("hardware", ["h100"], "project: hardware names "
-                              f"({', '.join(catalog.names())}, host), comma-separated.")
+_HARDWARE = flags.DEFINE_list(
+  "hardware",
+  ["h100"],
+  f"project: hardware names ({', '.join(catalog.names())}, host), comma-separated.",
+)
 _GPUS = flags.DEFINE_list("gpus", ["512"], "project: GPU counts, comma-separated.")
 _TOP = flags.DEFINE_integer("top", 5, "search: how many configurations to print.", lower_bound=1)
-_SEARCH_BUDGET = flags.DEFINE_integer("search_budget", DEFAULT_BUDGET,
-                                      "search: candidates projected (compiled) at most, per "
-                                      "hardware and GPU count.", lower_bound=1)
-_PROFILE_STEPS = flags.DEFINE_string("profile_steps", None, "A:B: a JAX profiler trace of steps "
-                                     "A..B-1 (from 0, warm-up included) in OUTPUT_DIR/profile.")
-_CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, "Save checkpoints here and resume "
-                                      "from the newest one (train and benchmark modes).")
+_SEARCH_BUDGET = flags.DEFINE_integer(
+  "search_budget",
+  DEFAULT_BUDGET,
+  "search: candidates projected (compiled) at most, per hardware and GPU count.",
+  lower_bound=1,
+)
+_PROFILE_STEPS = flags.DEFINE_string(
+  "profile_steps",
+  None,
+  "A:B: a JAX profiler trace of steps A..B-1 (from 0, warm-up included) in OUTPUT_DIR/profile.",
+)
+_CHECKPOINT_DIR = flags.DEFINE_string(
+  "checkpoint_dir",
+  None,
+  "Save checkpoints here and resume from the newest one (train and benchmark modes).",
+)
 _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Save every N steps.")
 _KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
 # Read before absl parses them (platform_env.distributed_from_argv): jax joins first.
 flags.DEFINE_string("coordinator_address", None, "Multi-process: process 0's HOST:PORT.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: the number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0 .. N-1.")
-flags.DEFINE_integer("heartbeat_timeout_s", platform_env.DEFAULT_HEARTBEAT_TIMEOUT_S,
-                     "Multi-process: a process silent this long is dead; the others abort.")
-_SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override of a config field, repeatable "
-                                 "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).")
+flags.DEFINE_integer(
+  "heartbeat_timeout_s",
+  platform_env.DEFAULT_HEARTBEAT_TIMEOUT_S,
+  "Multi-process: a process silent this long is dead; the others abort.",
+)
+_SET = flags.DEFINE_multi_string(
+  "set",
+  [],
+  "KEY=VALUE override of a config field, repeatable "
+  "(e.g. model.num_layers=4, mesh.tensor=2, model=gpt3-1.3b).",
+)
 
 
 def main(argv: list[str]) -> None:
@@ -76,17 +106,30 @@ def main(argv: list[str]) -> None:
     for name in experiments.names():
       print(f"{name:<16} {experiments.load(name).description}")
     return
-  distributed = [n for n in ("coordinator_address", "num_processes", "process_id")
-                 if flags.FLAGS[n].present]
+  distributed = [
+    n for n in ("coordinator_address", "num_processes", "process_id") if flags.FLAGS[n].present
+  ]
   if distributed and len(distributed) < 3:
-    raise UserInputError("--coordinator_address, --num_processes, --process_id go together; "
-                         f"got only --{', --'.join(distributed)}")
+    raise UserInputError(
+      "--coordinator_address, --num_processes, --process_id go together; "
+      f"got only --{', --'.join(distributed)}"
+    )
   options = Options(
-      experiment=_EXPERIMENT.value, mode=_MODE.value, steps=_STEPS.value, devices=_DEVICES.value,
-      output_dir=_OUTPUT_DIR.value, hardware=tuple(_HARDWARE.value), gpus=tuple(_GPUS.value),
-      top=_TOP.value, search_budget=_SEARCH_BUDGET.value, profile_steps=_PROFILE_STEPS.value,
-      checkpoint_dir=_CHECKPOINT_DIR.value, checkpoint_every=_CHECKPOINT_EVERY.value,
-      keep_checkpoints=_KEEP_CHECKPOINTS.value, sets=tuple(_SET.value))
+    experiment=_EXPERIMENT.value,
+    mode=_MODE.value,
+    steps=_STEPS.value,
+    devices=_DEVICES.value,
+    output_dir=_OUTPUT_DIR.value,
+    hardware=tuple(_HARDWARE.value),
+    gpus=tuple(_GPUS.value),
+    top=_TOP.value,
+    search_budget=_SEARCH_BUDGET.value,
+    profile_steps=_PROFILE_STEPS.value,
+    checkpoint_dir=_CHECKPOINT_DIR.value,
+    checkpoint_every=_CHECKPOINT_EVERY.value,
+    keep_checkpoints=_KEEP_CHECKPOINTS.value,
+    sets=tuple(_SET.value),
+  )
   check_paths(options)
   MODES[options.mode](options)
 

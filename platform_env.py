@@ -78,13 +78,17 @@ def check_distributed(distributed: Distributed) -> None:
   if distributed.num_processes < 1:
     refuse(f"--num_processes must be at least 1, got {distributed.num_processes}")
   if not 0 <= distributed.process_id < distributed.num_processes:
-    refuse(f"--process_id must be in 0 .. --num_processes - 1 = "
-           f"{distributed.num_processes - 1}, got {distributed.process_id}")
+    refuse(
+      f"--process_id must be in 0 .. --num_processes - 1 = "
+      f"{distributed.num_processes - 1}, got {distributed.process_id}"
+    )
   host, sep, port = distributed.coordinator_address.rpartition(":")
   number = whole_number(port)
   if not sep or not host or number is None or not 1 <= number <= 65535:
-    refuse(f"--coordinator_address must be HOST:PORT with a port in 1 .. 65535, got "
-           f"{distributed.coordinator_address!r}")
+    refuse(
+      f"--coordinator_address must be HOST:PORT with a port in 1 .. 65535, got "
+      f"{distributed.coordinator_address!r}"
+    )
 
 
 def has_nvidia_gpu() -> bool:

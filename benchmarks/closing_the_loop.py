@@ -13,8 +13,8 @@ each.
 
 The host profile of each configuration is measured alongside its steps, in the same
 process: one round of the profile's micro-benchmarks (projection/host_calibration.py's
-`Profiler`, a train/loop.py step hook) before every step, outside the step's clock, and the medians of
-both. Load from other processes on the shared cores then falls on the profile and the
+`Profiler`, a train/loop.py step hook) before every step, outside the step's clock, and
+the medians of both. Load from other processes on the shared cores then falls on the profile and the
 steps alike, instead of on whichever ran when the machine was busier. Each profile is
 stored in the cache (~/.cache/jax-scaling/host_profile.json or
 $JAX_SCALING_HOST_PROFILE), so `launch.py --mode=project --hardware=host` uses the latest;
@@ -104,7 +104,10 @@ def measure(exp: experiments.ExperimentConfig, devices: int, hooks=()) -> list[f
 
 
 def compare(
-  point: Point, steps: int = 10, profiler: host_calibration.Profiler | None = None, cached: bool = False
+  point: Point,
+  steps: int = 10,
+  profiler: host_calibration.Profiler | None = None,
+  cached: bool = False,
 ) -> Result:
   """Measure the point's steps and project them. The host profile is measured alongside
   the steps (a profile round before each, outside its clock: other processes' load falls

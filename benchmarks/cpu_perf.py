@@ -59,8 +59,9 @@ class JaxStep:
     self.model, self.train = model, train
     # launch.py's plan -> build_mesh -> build (run_point's first half); the steps are run
     # here, one at a time, to interleave them with PyTorch's.
-    exp = experiments.ExperimentConfig(name=model.name, description="cpu_perf", model=model,
-                                       mesh=mesh_cfg, train=train)
+    exp = experiments.ExperimentConfig(
+      name=model.name, description="cpu_perf", model=model, mesh=mesh_cfg, train=train
+    )
     _, self.program = build_point(exp, jax.devices()[:1])
     start = time.perf_counter()
     self.compiled = self.program.lower(train.global_batch, model.seq_len).compile()

@@ -74,8 +74,13 @@ from train import step as train_step  # noqa: E402
 
 GB = 1e9
 # Every configuration runs on one device of the tiny experiment's mesh, synthetic tokens.
-BASE_SETS = ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1",
-             "train.task=synthetic")
+BASE_SETS = (
+  "mesh.data=1",
+  "mesh.fsdp=1",
+  "mesh.tensor=1",
+  "mesh.pipeline=1",
+  "train.task=synthetic",
+)
 JSONL, MARKDOWN = "gpu_check.jsonl", "gpu_check.md"
 TRACE_FILE, HLO_FILE = "trace.xplane.pb", "trace_hlo.txt.gz"
 MAX_FILE_BYTES = 16 * 2**20  # what the device tool brings back per file
@@ -100,26 +105,41 @@ class Config:
 # and 42 GB (fp8) per device; the fallbacks 40 and 39 GB.
 _XLA_ATTENTION = ("model.attention=xla", "train.global_batch=2")
 CONFIGS = (
-  Config("compute", "matmul-bound: GPT-3 1.3B, bf16, cuDNN attention, 8 x 2048 tokens",
-         ("model=gpt3-1.3b", "model.attention=cudnn", "train.global_batch=8"),
-         ("model.d_model=128", "model.head_dim=32", "train.global_batch=8"), _XLA_ATTENTION),
-  Config("memory", "memory-bound-heavy: GPT-3 125M, attention scores through HBM (xla)",
-         ("model=gpt3-125m", "train.global_batch=4"),
-         ("model.seq_len=256", "train.global_batch=4")),
-  Config("remat", "remat full: GPT-3 2.7B, every layer's forward run twice",
-         ("model=gpt3-2.7b", "remat=full", "train.global_batch=8"),
-         ("remat=full", "model.num_layers=3", "train.global_batch=8")),
-  Config("fp8", "FP8 matmuls and their casts: GPT-3 1.3B, E4M3 / E5M2, current scaling",
-         ("model=gpt3-1.3b", "model.attention=cudnn", "precision=fp8",
-          "train.global_batch=8"),
-         ("precision=fp8", "train.global_batch=8"), _XLA_ATTENTION),
+  Config(
+    "compute",
+    "matmul-bound: GPT-3 1.3B, bf16, cuDNN attention, 8 x 2048 tokens",
+    ("model=gpt3-1.3b", "model.attention=cudnn", "train.global_batch=8"),
+    ("model.d_model=128", "model.head_dim=32", "train.global_batch=8"),
+    _XLA_ATTENTION,
+  ),
+  Config(
+    "memory",
+    "memory-bound-heavy: GPT-3 125M, attention scores through HBM (xla)",
+    ("model=gpt3-125m", "train.global_batch=4"),
+    ("model.seq_len=256", "train.global_batch=4"),
+  ),
+  Config(
+    "remat",
+    "remat full: GPT-3 2.7B, every layer's forward run twice",
+    ("model=gpt3-2.7b", "remat=full", "train.global_batch=8"),
+    ("remat=full", "model.num_layers=3", "train.global_batch=8"),
+  ),
+  Config(
+    "fp8",
+    "FP8 matmuls and their casts: GPT-3 1.3B, E4M3 / E5M2, current scaling",
+    ("model=gpt3-1.3b", "model.attention=cudnn", "precision=fp8", "train.global_batch=8"),
+    ("precision=fp8", "train.global_batch=8"),
+    _XLA_ATTENTION,
+  ),
   # Last, so the time budget drops it first. Llama 3.2 1B: Meta's shapes (model/config.py).
-  Config("llama", "grouped-query attention, SwiGLU, a 128K vocabulary: Llama 3.2 1B, bf16, "
-         "cuDNN attention, 4 x 4096 tokens",
-         ("model=llama3.2-1b", "model.attention=cudnn", "model.seq_len=4096",
-          "train.global_batch=4"),
-         ("model=llama3-tiny", "train.global_batch=8"),
-         ("model.attention=xla", "train.global_batch=1")),
+  Config(
+    "llama",
+    "grouped-query attention, SwiGLU, a 128K vocabulary: Llama 3.2 1B, bf16, "
+    "cuDNN attention, 4 x 4096 tokens",
+    ("model=llama3.2-1b", "model.attention=cudnn", "model.seq_len=4096", "train.global_batch=4"),
+    ("model=llama3-tiny", "train.global_batch=8"),
+    ("model.attention=xla", "train.global_batch=1"),
+  ),
 )
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 
@@ -134,32 +154,52 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
   parser = _Parser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--output_dir", default=os.path.join("runs", "gpu_check"),
-                      help="where the results go (default: %(default)s)")
-  parser.add_argument("--dry_run", action="store_true",
-                      help="host CPU, tiny sizes: the same code path end to end")
-  parser.add_argument("--hardware", default=None,
-                      help="catalog entry to project onto (default: h200; host with --dry_run)")
-  parser.add_argument("--only", default=",".join(CONFIG_NAMES),
-                      help="comma-separated configurations (default: %(default)s)")
-  parser.add_argument("--trace", default="memory",
-                      help="the configuration whose last step is traced, or none "
-                           "(default: %(default)s)")
+  parser.add_argument(
+    "--output_dir",
+    default=os.path.join("runs", "gpu_check"),
+    help="where the results go (default: %(default)s)",
+  )
+  parser.add_argument(
+    "--dry_run", action="store_true", help="host CPU, tiny sizes: the same code path end to end"
+  )
+  parser.add_argument(
+    "--hardware",
+    default=None,
+    help="catalog entry to project onto (default: h200; host with --dry_run)",
+  )
+  parser.add_argument(
+    "--only",
+    default=",".join(CONFIG_NAMES),
+    help="comma-separated configurations (default: %(default)s)",
+  )
+  parser.add_argument(
+    "--trace",
+    default="memory",
+    help="the configuration whose last step is traced, or none (default: %(default)s)",
+  )
   parser.add_argument("--steps", type=int, default=8, help="timed steps (default: %(default)s)")
-  parser.add_argument("--warmup_steps", type=int, default=2,
-                      help="untimed steps first (default: %(default)s)")
-  parser.add_argument("--budget_s", type=float, default=300.0,
-                      help="no configuration starts after this many seconds "
-                           "(default: %(default)s)")
+  parser.add_argument(
+    "--warmup_steps", type=int, default=2, help="untimed steps first (default: %(default)s)"
+  )
+  parser.add_argument(
+    "--budget_s",
+    type=float,
+    default=300.0,
+    help="no configuration starts after this many seconds (default: %(default)s)",
+  )
   args = parser.parse_args(argv)
   args.only = [n.strip() for n in args.only.split(",") if n.strip()]
   unknown = [n for n in args.only if n not in CONFIG_NAMES]
   if unknown or not args.only:
-    parser.error(f"--only: unknown configuration {', '.join(unknown) or '(none given)'}; "
-                 f"choose from {', '.join(CONFIG_NAMES)}")
+    parser.error(
+      f"--only: unknown configuration {', '.join(unknown) or '(none given)'}; "
+      f"choose from {', '.join(CONFIG_NAMES)}"
+    )
   if args.trace != "none" and args.trace not in CONFIG_NAMES:
-    parser.error(f"--trace: {args.trace!r} is not a configuration; choose from "
-                 f"{', '.join(CONFIG_NAMES)} or none")
+    parser.error(
+      f"--trace: {args.trace!r} is not a configuration; choose from "
+      f"{', '.join(CONFIG_NAMES)} or none"
+    )
   if args.steps < 1:
     parser.error(f"--steps must be at least 1, got {args.steps}")
   if args.warmup_steps < 0:
@@ -174,10 +214,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   return args
 
 
-def experiment(config: Config, dry_run: bool, steps: int, warmup_steps: int,
-               extra_sets: tuple[str, ...] = ()) -> experiments.ExperimentConfig:
-  sets = (*BASE_SETS, *(config.dry_sets if dry_run else config.gpu_sets), *extra_sets,
-          f"train.steps={steps}", f"train.warmup_steps={warmup_steps}")
+def experiment(
+  config: Config, dry_run: bool, steps: int, warmup_steps: int, extra_sets: tuple[str, ...] = ()
+) -> experiments.ExperimentConfig:
+  sets = (
+    *BASE_SETS,
+    *(config.dry_sets if dry_run else config.gpu_sets),
+    *extra_sets,
+    f"train.steps={steps}",
+    f"train.warmup_steps={warmup_steps}",
+  )
   exp = overrides.apply(experiments.load("tiny"), list(sets))
   exp.model.validate()
   exp.train.validate()
@@ -187,8 +233,9 @@ def experiment(config: Config, dry_run: bool, steps: int, warmup_steps: int,
 # ---------------------------------------------------------------------------------- measure
 
 
-def measure(exp: experiments.ExperimentConfig, device,
-            hooks: tuple = ()) -> tuple[loop.RunResult, train_step.TrainProgram]:
+def measure(
+  exp: experiments.ExperimentConfig, device, hooks: tuple = ()
+) -> tuple[loop.RunResult, train_step.TrainProgram]:
   """The run `launch.py --mode=benchmark --devices=1` times (its run_point), on `device`."""
   options = PointOptions(output_dir=None, hooks=tuple(hooks), show=False)
   point = run_point(exp, "benchmark", [device], options)
@@ -211,8 +258,9 @@ class Projection:
   hlo_text: str
 
 
-def project_compiled(exp: experiments.ExperimentConfig, program: train_step.TrainProgram,
-                     hw: Hardware) -> Projection:
+def project_compiled(
+  exp: experiments.ExperimentConfig, program: train_step.TrainProgram, hw: Hardware
+) -> Projection:
   """The projection of the step as compiled for this device (the one `measure` ran):
   projection/project.py's cost of a program, without its deviceless compile."""
   start = time.perf_counter()
@@ -227,19 +275,29 @@ def project_compiled(exp: experiments.ExperimentConfig, program: train_step.Trai
   timer = collective_timing.collective_timer(project.plan(exp, alone, 1), alone)
   cost = cost_model.simulate(analysis.entry, hw, timer)
   memory = compiled.memory_analysis()
-  memory_gb = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-               - memory.alias_size_in_bytes + memory.temp_size_in_bytes) / GB
+  memory_gb = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  ) / GB
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   model_tflops = tokens_per_step / cost.step_s * train_flops_per_token(exp.model) / 1e12
   record = {
-    "hardware": hw.name, "compile_s": round(compile_s, 3),
-    "step_time_s": cost.step_s, "mfu": model_tflops / peak_tflops(hw)[0],
-    "compute_s": cost.compute_s, "memory_bound_s": cost.memory_bound_s,
-    "launch_s": cost.other_s, "exposed_comm_s": cost.exposed_comm_s,
-    "hlo_flops": hlo.total_flops(analysis), "hlo_matmul_flops": hlo.dot_flops(analysis),
+    "hardware": hw.name,
+    "compile_s": round(compile_s, 3),
+    "step_time_s": cost.step_s,
+    "mfu": model_tflops / peak_tflops(hw)[0],
+    "compute_s": cost.compute_s,
+    "memory_bound_s": cost.memory_bound_s,
+    "launch_s": cost.other_s,
+    "exposed_comm_s": cost.exposed_comm_s,
+    "hlo_flops": hlo.total_flops(analysis),
+    "hlo_matmul_flops": hlo.dot_flops(analysis),
     "hlo_bytes": sum((n.bytes_read + n.bytes_written) * t for n, t in compute),
     "kernels": sum(t for _, t in compute),
-    "memory_per_device_gb": memory_gb, "hbm_capacity_gb": hw.hbm_bytes / GB,
+    "memory_per_device_gb": memory_gb,
+    "hbm_capacity_gb": hw.hbm_bytes / GB,
   }
   return Projection(record, analysis, text)
 
@@ -264,9 +322,14 @@ def projected_ops(program: hlo.Program, hw: Hardware) -> dict[str, OpCost]:
     flops_s, bytes_s = cost_model.op_times_s(node, hw)
     seen = ops.get(node.name)
     ops[node.name] = OpCost(
-      node.name, node.opcode, node.kind, node.op_name, runs + (seen.runs if seen else 0),
+      node.name,
+      node.opcode,
+      node.kind,
+      node.op_name,
+      runs + (seen.runs if seen else 0),
       runs * max(flops_s, bytes_s) + (seen.seconds if seen else 0.0),
-      "memory" if bytes_s > flops_s else "flops")
+      "memory" if bytes_s > flops_s else "flops",
+    )
   return ops
 
 
@@ -276,6 +339,7 @@ def projected_ops(program: hlo.Program, hw: Hardware) -> dict[str, OpCost]:
 @dataclasses.dataclass(frozen=True)
 class TraceOps:
   """Device time by HLO op in a trace of one step."""
+
   source: str  # the file read and how
   seconds: dict[str, float]  # op -> summed duration
   runs: dict[str, int]  # op -> events
@@ -324,8 +388,10 @@ def _from_xplane(path: str) -> TraceOps:
         op = _op_of(event.name, dict(event.stats), bool(gpu))
         if op is not None:
           events.append((op, event.duration_ns * 1e-9))
-  return _accumulate(events, f"{os.path.basename(path)} (jax.profiler.ProfileData, "
-                             f"{'device' if gpu else 'host'} planes)")
+  return _accumulate(
+    events,
+    f"{os.path.basename(path)} (jax.profiler.ProfileData, {'device' if gpu else 'host'} planes)",
+  )
 
 
 def _from_chrome_trace(path: str) -> TraceOps:
@@ -368,8 +434,9 @@ def _key(name: str) -> str:
   return re.sub(r"[^A-Za-z0-9]", "_", name)
 
 
-def compare_ops(trace: TraceOps, projected: dict[str, OpCost], traced_step_s: float,
-                top: int = TOP_KERNELS) -> dict:
+def compare_ops(
+  trace: TraceOps, projected: dict[str, OpCost], traced_step_s: float, top: int = TOP_KERNELS
+) -> dict:
   """The trace's op times beside the projection's, top `top` by measured time."""
   by_key = {_key(name): op for name, op in projected.items()}
   matched_s = unmatched_s = 0.0
@@ -382,18 +449,29 @@ def compare_ops(trace: TraceOps, projected: dict[str, OpCost], traced_step_s: fl
       unmatched_s += seconds
     else:
       matched_s += seconds
-    rows.append({
-      "op": name, "measured_s": seconds, "measured_runs": trace.runs[name],
-      "projected_s": op.seconds if op else None, "projected_runs": op.runs if op else None,
-      "opcode": op.opcode if op else "", "kind": op.kind if op else "",
-      "bound": op.bound if op else "", "op_name": op.op_name if op else "",
-    })
+    rows.append(
+      {
+        "op": name,
+        "measured_s": seconds,
+        "measured_runs": trace.runs[name],
+        "projected_s": op.seconds if op else None,
+        "projected_runs": op.runs if op else None,
+        "opcode": op.opcode if op else "",
+        "kind": op.kind if op else "",
+        "bound": op.bound if op else "",
+        "op_name": op.op_name if op else "",
+      }
+    )
   rows.sort(key=lambda r: -r["measured_s"])
   matched = {_key(r["op"]) for r in rows if r["projected_s"] is not None}
   return {
-    "source": trace.source, "events": trace.events, "ops": len(trace.seconds),
-    "matched_ops": len(matched), "projected_ops": len(projected),
-    "measured_matched_s": matched_s, "measured_unmatched_s": unmatched_s,
+    "source": trace.source,
+    "events": trace.events,
+    "ops": len(trace.seconds),
+    "matched_ops": len(matched),
+    "projected_ops": len(projected),
+    "measured_matched_s": matched_s,
+    "measured_unmatched_s": unmatched_s,
     "projected_matched_s": sum(op.seconds for k, op in by_key.items() if k in matched),
     "projected_all_s": sum(op.seconds for op in projected.values()),
     "traced_step_s": traced_step_s,
@@ -454,8 +532,10 @@ def config_table(records: list[dict]) -> list[str]:
     "|" + "---|" * 16,
   ]
   for r in records:
-    head = (f"| {r['config']} | {r['model']} | {r['global_batch']} x {r['seq_len']} | "
-            f"{r['remat']} | {r['fp8']} |")
+    head = (
+      f"| {r['config']} | {r['model']} | {r['global_batch']} x {r['seq_len']} | "
+      f"{r['remat']} | {r['fp8']} |"
+    )
     if "error" in r or "skipped" in r:
       lines.append(f"{head} {r.get('error') or r.get('skipped')} |" + " |" * 10)
       continue
@@ -466,14 +546,19 @@ def config_table(records: list[dict]) -> list[str]:
       f"{_ms(p['step_time_s'])} | {p['mfu']:.1%} | "
       f"{_ratio(p['step_time_s'], r['step_time_s'])}{flag} | {_ms(p['compute_s'])} | "
       f"{_ms(p['memory_bound_s'])} | {_ms(p['launch_s'])} | {_ms(p['exposed_comm_s'])} | "
-      f"{p['memory_per_device_gb']:.1f} / {p['hbm_capacity_gb']:.0f} |")
+      f"{p['memory_per_device_gb']:.1f} / {p['hbm_capacity_gb']:.0f} |"
+    )
   for r in records:
     if "first_attempt_error" in r:
-      lines.append(f"\n{r['config']}: the first attempt failed ({r['first_attempt_error']}); "
-                   f"the row is the retry with {' '.join(r['fallback_sets'])}.")
-  lines.append(f"\nerror: projected over measured median step, minus one; * misses the "
-               f"{TARGET_ERROR:.0%} target. compute includes memory-bound (ops whose HBM "
-               f"bytes outlast their FLOPs); launches: the cost model's per-kernel overhead.")
+      lines.append(
+        f"\n{r['config']}: the first attempt failed ({r['first_attempt_error']}); "
+        f"the row is the retry with {' '.join(r['fallback_sets'])}."
+      )
+  lines.append(
+    f"\nerror: projected over measured median step, minus one; * misses the "
+    f"{TARGET_ERROR:.0%} target. compute includes memory-bound (ops whose HBM "
+    f"bytes outlast their FLOPs); launches: the cost model's per-kernel overhead."
+  )
   return lines
 
 
@@ -490,25 +575,32 @@ def kernel_table(kernels: dict) -> list[str]:
     f"{_ms(kernels['measured_idle_s'])} ms (projected launches "
     f"{_ms(kernels['projected_launch_s'])} ms)",
     "",
-    "| # | HLO op | opcode / kind | bound | runs | measured ms | projected ms | error | "
-    "from |",
+    "| # | HLO op | opcode / kind | bound | runs | measured ms | projected ms | error | from |",
     "|" + "---|" * 9,
   ]
   for i, row in enumerate(kernels["top"], 1):
     kind = f"{row['opcode']} {row['kind']}".strip() or "-"
-    runs = (f"{row['measured_runs']}" if row["projected_runs"] is None
-            else f"{row['measured_runs']} / {row['projected_runs']}")
+    runs = (
+      f"{row['measured_runs']}"
+      if row["projected_runs"] is None
+      else f"{row['measured_runs']} / {row['projected_runs']}"
+    )
     source = row["op_name"][-60:] if row["op_name"] else "-"
-    lines.append(f"| {i} | {row['op']} | {kind} | {row['bound'] or '-'} | {runs} | "
-                 f"{_ms(row['measured_s'])} | {_ms(row['projected_s'])} | "
-                 f"{_ratio(row['projected_s'], row['measured_s'])} | {source} |")
-  lines.append("\nruns: events in the trace / executions the program makes (loop trips "
-               "counted); projected ms leaves out the per-kernel launch overhead.")
+    lines.append(
+      f"| {i} | {row['op']} | {kind} | {row['bound'] or '-'} | {runs} | "
+      f"{_ms(row['measured_s'])} | {_ms(row['projected_s'])} | "
+      f"{_ratio(row['projected_s'], row['measured_s'])} | {source} |"
+    )
+  lines.append(
+    "\nruns: events in the trace / executions the program makes (loop trips "
+    "counted); projected ms leaves out the per-kernel launch overhead."
+  )
   return lines
 
 
-def write_markdown(path: str, header: list[str], records: list[dict],
-                   kernels: dict | None, trace_note: str) -> None:
+def write_markdown(
+  path: str, header: list[str], records: list[dict], kernels: dict | None, trace_note: str
+) -> None:
   lines = [*header, "", *config_table(records), ""]
   if kernels:
     lines += kernel_table(kernels)
@@ -549,23 +641,40 @@ def _device(dry_run: bool):
     return jax.devices("cpu")[0]
   device = jax.devices()[0]
   if device.platform != "gpu":
-    raise UserInputError(f"no GPU here (jax {jax.__version__} sees {device.platform} "
-                         f"devices); run with --dry_run on a CPU machine")
+    raise UserInputError(
+      f"no GPU here (jax {jax.__version__} sees {device.platform} "
+      f"devices); run with --dry_run on a CPU machine"
+    )
   return device
 
 
-def run_config(config: Config, args: argparse.Namespace, device, hw: Hardware,
-               trace_dir: str | None,
-               extra_sets: tuple[str, ...] = ()) -> tuple[dict, Projection, list[float]]:
+def run_config(
+  config: Config,
+  args: argparse.Namespace,
+  device,
+  hw: Hardware,
+  trace_dir: str | None,
+  extra_sets: tuple[str, ...] = (),
+) -> tuple[dict, Projection, list[float]]:
   exp = experiment(config, args.dry_run, args.steps, args.warmup_steps, extra_sets)
   record = {
-    "kind": "config", "config": config.name, "exercises": config.exercises,
-    "dry_run": args.dry_run, "model": exp.model.name, "params": param_count(exp.model),
-    "num_layers": exp.model.num_layers, "d_model": exp.model.d_model,
-    "global_batch": exp.train.global_batch, "seq_len": exp.model.seq_len,
-    "compute_dtype": exp.model.compute_dtype, "attention": exp.model.attention,
-    "remat": exp.model.remat, "fp8": exp.model.fp8, "timed_steps": exp.train.steps,
-    "platform": device.platform, "device_kind": device.device_kind,
+    "kind": "config",
+    "config": config.name,
+    "exercises": config.exercises,
+    "dry_run": args.dry_run,
+    "model": exp.model.name,
+    "params": param_count(exp.model),
+    "num_layers": exp.model.num_layers,
+    "d_model": exp.model.d_model,
+    "global_batch": exp.train.global_batch,
+    "seq_len": exp.model.seq_len,
+    "compute_dtype": exp.model.compute_dtype,
+    "attention": exp.model.attention,
+    "remat": exp.model.remat,
+    "fp8": exp.model.fp8,
+    "timed_steps": exp.train.steps,
+    "platform": device.platform,
+    "device_kind": device.device_kind,
     "jax_version": jax.__version__,
   }
   total = exp.train.warmup_steps + exp.train.steps
@@ -579,8 +688,9 @@ def run_config(config: Config, args: argparse.Namespace, device, hw: Hardware,
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   peak, peak_source = peak_tflops(hw)
   record.update(loop.summarize(run, tokens_per_step, 1, train_flops_per_token(exp.model), peak))
-  record.update(peak_source=peak_source, step_times_s=times,
-                final_loss=run.losses[-1] if run.losses else None)
+  record.update(
+    peak_source=peak_source, step_times_s=times, final_loss=run.losses[-1] if run.losses else None
+  )
   projection = project_compiled(exp, program, hw)
   record["projected"] = projection.record
   record["error_vs_measured"] = projection.record["step_time_s"] / record["step_time_s"] - 1
@@ -617,8 +727,9 @@ def main(argv: list[str]) -> int:
       elif trace_dir and record.get("trace_failure"):
         trace_note = f"not traced: {record['trace_failure']}"
       elif trace_dir and projection is not None:
-        kernels, trace_note = _trace_record(config, trace_dir, projection, hw, times,
-                                            args.output_dir)
+        kernels, trace_note = _trace_record(
+          config, trace_dir, projection, hw, times, args.output_dir
+        )
         if kernels:
           append_jsonl(jsonl, kernels)
       record["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -634,17 +745,25 @@ def main(argv: list[str]) -> int:
   print()
   with open(markdown) as f:
     print(f.read())
-  print(f"appended to {jsonl}; tables in {markdown} "
-        f"({time.perf_counter() - started:.0f} s in all)")
+  print(f"appended to {jsonl}; tables in {markdown} ({time.perf_counter() - started:.0f} s in all)")
   if failed:
-    print(f"error: {len(failed)} configuration(s) failed: {', '.join(failed)} (the reasons "
-          f"are in {jsonl})", file=sys.stderr)
+    print(
+      f"error: {len(failed)} configuration(s) failed: {', '.join(failed)} (the reasons "
+      f"are in {jsonl})",
+      file=sys.stderr,
+    )
     return 1
   return 0
 
 
-def _attempt(config: Config, args: argparse.Namespace, device, hw: Hardware,
-             trace_dir: str | None, started: float) -> tuple[dict, Projection | None, list]:
+def _attempt(
+  config: Config,
+  args: argparse.Namespace,
+  device,
+  hw: Hardware,
+  trace_dir: str | None,
+  started: float,
+) -> tuple[dict, Projection | None, list]:
   """One configuration's record; after a failure, once more with its fallback overrides
   (the first error kept), unless the time budget is spent. A failure is recorded, not
   raised: the other configurations still run."""
@@ -672,9 +791,15 @@ def _attempt(config: Config, args: argparse.Namespace, device, hw: Hardware,
       record.update(fallback_sets=list(sets), first_attempt_error=errors[0])
     return record, projection, times
   exp = experiment(config, args.dry_run, args.steps, args.warmup_steps, sets)
-  record = {"kind": "config", "config": config.name, "model": exp.model.name,
-            "global_batch": exp.train.global_batch, "seq_len": exp.model.seq_len,
-            "remat": exp.model.remat, "fp8": exp.model.fp8}
+  record = {
+    "kind": "config",
+    "config": config.name,
+    "model": exp.model.name,
+    "global_batch": exp.train.global_batch,
+    "seq_len": exp.model.seq_len,
+    "remat": exp.model.remat,
+    "fp8": exp.model.fp8,
+  }
   if errors and errors[-1].startswith("skipped:") and len(errors) == 1:
     record["skipped"] = errors[0]
   else:
@@ -682,8 +807,14 @@ def _attempt(config: Config, args: argparse.Namespace, device, hw: Hardware,
   return record, None, []
 
 
-def _trace_record(config: Config, trace_dir: str, projection: Projection, hw: Hardware,
-                  times: list[float], output_dir: str) -> tuple[dict | None, str]:
+def _trace_record(
+  config: Config,
+  trace_dir: str,
+  projection: Projection,
+  hw: Hardware,
+  times: list[float],
+  output_dir: str,
+) -> tuple[dict | None, str]:
   trace, note, xplane = read_trace(trace_dir)
   notes = [note] if note else []
   if xplane:
@@ -694,8 +825,12 @@ def _trace_record(config: Config, trace_dir: str, projection: Projection, hw: Ha
   if trace is None:
     return None, "; ".join(notes)
   kernels = compare_ops(trace, projected_ops(projection.program, hw), times[-1])
-  kernels.update(kind="kernels", config=config.name,
-                 projected_launch_s=projection.record["launch_s"], notes=notes)
+  kernels.update(
+    kind="kernels",
+    config=config.name,
+    projected_launch_s=projection.record["launch_s"],
+    notes=notes,
+  )
   return kernels, "; ".join(notes)
 
 
@@ -704,10 +839,12 @@ def _print_progress(record: dict) -> None:
     print(f"  {record['config']}: {record.get('error') or record.get('skipped')}", flush=True)
     return
   p = record["projected"]
-  print(f"  {record['config']}: compile {record['compile_s']:.1f} s, step "
-        f"{_ms(record['step_time_s'])} ms measured, {_ms(p['step_time_s'])} ms projected "
-        f"({_ratio(p['step_time_s'], record['step_time_s'])}), MFU {record['mfu']:.1%}",
-        flush=True)
+  print(
+    f"  {record['config']}: compile {record['compile_s']:.1f} s, step "
+    f"{_ms(record['step_time_s'])} ms measured, {_ms(p['step_time_s'])} ms projected "
+    f"({_ratio(p['step_time_s'], record['step_time_s'])}), MFU {record['mfu']:.1%}",
+    flush=True,
+  )
 
 
 def cli(argv: list[str]) -> int:

@@ -50,10 +50,21 @@ from train import step as train_step
 
 
 def _command(corpus: str, steps: int, ckpt: str, out: str) -> list[str]:
-  return [sys.executable, os.path.join(ROOT, "launch.py"), f"--output_dir={out}",
-          f"--steps={steps - 2}", f"--checkpoint_dir={ckpt}", "--checkpoint_every=1",
-          "--keep_checkpoints=2", "--set", "model.num_layers=1", "--set", "train.task=tokens",
-          "--set", f"train.data_path={corpus}"]
+  return [
+    sys.executable,
+    os.path.join(ROOT, "launch.py"),
+    f"--output_dir={out}",
+    f"--steps={steps - 2}",
+    f"--checkpoint_dir={ckpt}",
+    "--checkpoint_every=1",
+    "--keep_checkpoints=2",
+    "--set",
+    "model.num_layers=1",
+    "--set",
+    "train.task=tokens",
+    "--set",
+    f"train.data_path={corpus}",
+  ]
 
 
 def _env(cache: str) -> dict:
@@ -66,13 +77,13 @@ def _env(cache: str) -> dict:
   return env
 
 
-def _attempt(command: list[str], delay_s: float | None, log: str,
-             cache: str) -> tuple[str, int]:
+def _attempt(command: list[str], delay_s: float | None, log: str, cache: str) -> tuple[str, int]:
   """Run once; kill -9 `delay_s` after the mesh is printed (None: let it finish).
   Returns ('killed' | 'finished' | 'failed', exit code)."""
   with open(log, "w") as err:
-    proc = subprocess.Popen(command, cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE,
-                            stderr=err, text=True)
+    proc = subprocess.Popen(
+      command, cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE, stderr=err, text=True
+    )
     for line in proc.stdout:
       if line.startswith("Mesh:"):
         break
@@ -90,8 +101,10 @@ def _attempt(command: list[str], delay_s: float | None, log: str,
 
 
 def _final_state(corpus: str, ckpt: str, step: int):
-  exp = overrides.apply(experiments.load("tiny"),
-                        ["model.num_layers=1", "train.task=tokens", f"train.data_path={corpus}"])
+  exp = overrides.apply(
+    experiments.load("tiny"),
+    ["model.num_layers=1", "train.task=tokens", f"train.data_path={corpus}"],
+  )
   layout = mesh_lib.plan(exp.mesh, 8)
   program = train_step.build(exp.model, exp.train, mesh_lib.build_mesh(layout, jax.devices()))
   with ocp.CheckpointManager(ckpt) as manager:
@@ -100,18 +113,28 @@ def _final_state(corpus: str, ckpt: str, step: int):
 
 
 def _equal(a, b) -> bool:
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  return all(
+    np.array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kills", type=int, default=50)
   parser.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
-  parser.add_argument("--window_s", type=float, default=4.0,
-                      help="kill moments: uniform in [0, window_s] after JAX has started")
-  parser.add_argument("--kills_per_round", type=int, default=10,
-                      help="then the run is let finish and compared; a new round starts")
+  parser.add_argument(
+    "--window_s",
+    type=float,
+    default=4.0,
+    help="kill moments: uniform in [0, window_s] after JAX has started",
+  )
+  parser.add_argument(
+    "--kills_per_round",
+    type=int,
+    default=10,
+    help="then the run is let finish and compared; a new round starts",
+  )
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   rng = random.Random(args.seed)
@@ -122,8 +145,12 @@ def main() -> None:
 
   ref = os.path.join(work, "reference")
   cache = os.path.join(work, "jax_cache")
-  outcome, code = _attempt(_command(corpus, args.steps, ref, ref + "_out"), None,
-                           os.path.join(work, "reference.log"), cache)
+  outcome, code = _attempt(
+    _command(corpus, args.steps, ref, ref + "_out"),
+    None,
+    os.path.join(work, "reference.log"),
+    cache,
+  )
   assert outcome == "finished", f"the uninterrupted run failed ({code}): see {work}"
   reference = _final_state(corpus, ref, args.steps)
 
@@ -152,13 +179,16 @@ def main() -> None:
         failures += 1
         print(f"round {rounds}: final state differs from the uninterrupted run's")
       break
-    print(f"round {rounds} done: {kills} kills so far, {failures} failures, "
-          f"{time.time() - start:.0f} s")
+    print(
+      f"round {rounds} done: {kills} kills so far, {failures} failures, {time.time() - start:.0f} s"
+    )
     if failures == 0:
       shutil.rmtree(ckpt, ignore_errors=True)
-  print(f"kills: {kills}  rounds: {rounds}  failures: {failures}  "
-        f"time: {time.time() - start:.0f} s  (steps per run {args.steps}, kill window "
-        f"{args.window_s} s, seed {args.seed}; logs in {work})")
+  print(
+    f"kills: {kills}  rounds: {rounds}  failures: {failures}  "
+    f"time: {time.time() - start:.0f} s  (steps per run {args.steps}, kill window "
+    f"{args.window_s} s, seed {args.seed}; logs in {work})"
+  )
   if failures == 0:
     shutil.rmtree(work, ignore_errors=True)
   sys.exit(1 if failures else 0)

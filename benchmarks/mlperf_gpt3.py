@@ -42,7 +42,13 @@ from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
 from hardware import catalog  # noqa: E402
 from projection import (  # noqa: E402
-  aot_compile, collective_timing, cost_model, hlo, project, step_loops)
+  aot_compile,
+  collective_timing,
+  cost_model,
+  hlo,
+  project,
+  step_loops,
+)
 from reference import mlperf_gpt3  # noqa: E402
 from report import table  # noqa: E402
 

@@ -44,8 +44,15 @@ def _launch(hardware: str, gpus: str, output_dir: str, kernel_cache: str) -> flo
   """Seconds for one launch.py projection run in a fresh process."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env[KERNEL_CACHE_ENV] = kernel_cache
-  command = [sys.executable, "launch.py", "--mode=project", "--experiment=gpt3",
-             f"--hardware={hardware}", f"--gpus={gpus}", f"--output_dir={output_dir}"]
+  command = [
+    sys.executable,
+    "launch.py",
+    "--mode=project",
+    "--experiment=gpt3",
+    f"--hardware={hardware}",
+    f"--gpus={gpus}",
+    f"--output_dir={output_dir}",
+  ]
   start = time.perf_counter()
   out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
   elapsed = time.perf_counter() - start
@@ -64,18 +71,26 @@ def _in_process(kernel_cache: str) -> list[tuple[str, float]]:
   os.environ[KERNEL_CACHE_ENV] = kernel_cache
   start = time.perf_counter()
   import platform_env  # pylint: disable=import-outside-toplevel
+
   platform_env.configure(512)  # as launch.py: host devices for a fallback compile
   import experiments  # pylint: disable=import-outside-toplevel
   from projection import project  # pylint: disable=import-outside-toplevel
+
   exp = experiments.load("gpt3")
   rows = [("start-up: imports, jax and its devices", time.perf_counter() - start)]
-  for label, gpus in (("cold point: h100 x 512, compile included", 512),
-                      ("same point again (compile cached)", 512),
-                      ("h100 x 1024 on the same compile", 1024)):
+  for label, gpus in (
+    ("cold point: h100 x 512, compile included", 512),
+    ("same point again (compile cached)", 512),
+    ("h100 x 1024 on the same compile", 1024),
+  ):
     start = time.perf_counter()
     record = project.project(exp, "h100", gpus)
-    rows.append((f"{label} [step {record['step_time_s']:.1f} s, "
-                 f"compile {record['compile_s']:.1f} s]", time.perf_counter() - start))
+    rows.append(
+      (
+        f"{label} [step {record['step_time_s']:.1f} s, compile {record['compile_s']:.1f} s]",
+        time.perf_counter() - start,
+      )
+    )
   return rows
 
 
@@ -86,10 +101,18 @@ def main() -> None:
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     cache = os.path.join(tmp, "kernels.bin")
-    rows.append(("launch.py, one point (h100 x 512), fresh process, empty kernel cache",
-                 _launch("h100", "512", tmp, cache)))
-    rows.append(("launch.py, the same point, fresh process, kernels cached by the run above",
-                 _launch("h100", "512", tmp, cache)))
+    rows.append(
+      (
+        "launch.py, one point (h100 x 512), fresh process, empty kernel cache",
+        _launch("h100", "512", tmp, cache),
+      )
+    )
+    rows.append(
+      (
+        "launch.py, the same point, fresh process, kernels cached by the run above",
+        _launch("h100", "512", tmp, cache),
+      )
+    )
   # This process saves its kernel cache at exit (projection/kernel_cache.py), before this
   # directory is removed: atexit runs the last registered first.
   tmp = tempfile.mkdtemp()
@@ -97,14 +120,20 @@ def main() -> None:
   rows += _in_process(os.path.join(tmp, "kernels.bin"))
   if not args.skip_sweep:
     with tempfile.TemporaryDirectory() as tmp:
-      elapsed = _launch(",".join(HARDWARE), ",".join(map(str, GPU_COUNTS)), tmp,
-                        os.path.join(tmp, "kernels.bin"))
+      elapsed = _launch(
+        ",".join(HARDWARE), ",".join(map(str, GPU_COUNTS)), tmp, os.path.join(tmp, "kernels.bin")
+      )
       records = _records(tmp)
     compiles = {}
     for r in records:  # one compile time per generation; points after the first reuse it
       compiles.setdefault(r["hardware"], r["compile_s"])
-    rows.append((f"launch.py sweep, {len(GPU_COUNTS)} GPU counts x {len(HARDWARE)} generations "
-                 f"= {len(records)} points, fresh process, empty kernel cache", elapsed))
+    rows.append(
+      (
+        f"launch.py sweep, {len(GPU_COUNTS)} GPU counts x {len(HARDWARE)} generations "
+        f"= {len(records)} points, fresh process, empty kernel cache",
+        elapsed,
+      )
+    )
     rows += [(f"  of which compile, {name}", seconds) for name, seconds in compiles.items()]
   width = max(len(label) for label, _ in rows)
   for label, seconds in rows:

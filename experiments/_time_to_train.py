@@ -42,8 +42,9 @@ def interpolate(table: Mapping[int, float], global_batch: int, name: str) -> flo
   return (1 - w) * table[lo] + w * table[hi]
 
 
-def evaluation_s(eval_sequences: int, global_batch: int, step_time_s: float,
-                 forward_fraction: float) -> float:
+def evaluation_s(
+  eval_sequences: int, global_batch: int, step_time_s: float, forward_fraction: float
+) -> float:
   """One evaluation: the validation set padded to whole global batches, each a forward
   pass at the training step's rate per FLOP."""
   return math.ceil(eval_sequences / global_batch) * step_time_s * forward_fraction

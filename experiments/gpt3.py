@@ -16,9 +16,16 @@ from train.config import TrainConfig
 
 def get_config() -> ExperimentConfig:
   return ExperimentConfig(
-      name="gpt3",
-      description="GPT-3 family (175B by default), bf16 compute, full remat",
-      model=dataclasses.replace(preset("gpt3-175b"), remat="full"),
-      mesh=MeshConfig(data=-1, fsdp=8, tensor=8),
-      train=TrainConfig(global_batch=1536, micro_batch=1, steps=10, learning_rate=6e-5,
-                        lr_warmup_steps=375, lr_decay_steps=10000))
+    name="gpt3",
+    description="GPT-3 family (175B by default), bf16 compute, full remat",
+    model=dataclasses.replace(preset("gpt3-175b"), remat="full"),
+    mesh=MeshConfig(data=-1, fsdp=8, tensor=8),
+    train=TrainConfig(
+      global_batch=1536,
+      micro_batch=1,
+      steps=10,
+      learning_rate=6e-5,
+      lr_warmup_steps=375,
+      lr_decay_steps=10000,
+    ),
+  )

@@ -23,9 +23,17 @@ from train.config import TrainConfig
 
 def get_config() -> ExperimentConfig:
   return ExperimentConfig(
-      name="llama3",
-      description="Llama 3 family (3.1 8B by default), bf16 compute, full remat",
-      model=dataclasses.replace(preset("llama3.1-8b"), remat="full"),
-      mesh=MeshConfig(data=-1, fsdp=8),
-      train=TrainConfig(global_batch=512, micro_batch=1, steps=10, learning_rate=3e-4,
-                        lr_warmup_steps=2000, lr_decay_steps=100000, eps=1e-5))
+    name="llama3",
+    description="Llama 3 family (3.1 8B by default), bf16 compute, full remat",
+    model=dataclasses.replace(preset("llama3.1-8b"), remat="full"),
+    mesh=MeshConfig(data=-1, fsdp=8),
+    train=TrainConfig(
+      global_batch=512,
+      micro_batch=1,
+      steps=10,
+      learning_rate=3e-4,
+      lr_warmup_steps=2000,
+      lr_decay_steps=100000,
+      eps=1e-5,
+    ),
+  )

@@ -5,8 +5,8 @@ Facts are from the benchmark's reference implementation, rules and published res
 (github.com/mlcommons/training retired_benchmarks/gpt3, mlcommons/training_policies,
 mlcommons/training_results_v3.1 and v4.1; summarised in docs/sources/mlperf-gpt3.md)
 unless a comment says otherwise; the published definition and results themselves are in
-reference/mlperf_gpt3.py. The published H100 configurations are named variants; a projection on a GPU
-count that matches one uses it by default:
+reference/mlperf_gpt3.py. The published H100 configurations are named variants; a
+projection on a GPU count that matches one uses it by default:
 
   python launch.py --mode=project --experiment=mlperf_gpt3_175b --hardware=h100 --gpus=512
   python launch.py --mode=project --experiment=mlperf_gpt3_175b --hardware=h200 --gpus=512 \

@@ -78,8 +78,13 @@ def _shortcut(cfg: Any, key: str, text: str) -> Any:
   if key == "variant":
     return experiments.variant(cfg, text)
   if key in _POSITIVE:
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # isdigit alone passes '²'
-      raise UserInputError(f"--set {key}: expected a positive whole number, got {text!r}")
+    # isdigit alone passes '²'; past 9 digits no mesh axis is that wide (and int() refuses
+    # strings of over 4,300 digits).
+    if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < 1:
+      shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+      raise UserInputError(
+        f"--set {key}: expected a positive whole number of at most 9 digits, got {shown!r}"
+      )
     return _replace(cfg, _POSITIVE[key].split("."), text, key)
   path, values = _CHOICES[key]
   if text not in values:

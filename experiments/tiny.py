@@ -12,8 +12,9 @@ from train.config import TrainConfig
 
 def get_config() -> ExperimentConfig:
   return ExperimentConfig(
-      name="tiny",
-      description="2-layer GPT, d_model 64, on data x fsdp x tensor",
-      model=ModelConfig(),
-      mesh=MeshConfig(data=-1, fsdp=2, tensor=2),
-      train=TrainConfig(global_batch=16, steps=10, task="learnable", learning_rate=3e-3))
+    name="tiny",
+    description="2-layer GPT, d_model 64, on data x fsdp x tensor",
+    model=ModelConfig(),
+    mesh=MeshConfig(data=-1, fsdp=2, tensor=2),
+    train=TrainConfig(global_batch=16, steps=10, task="learnable", learning_rate=3e-3),
+  )

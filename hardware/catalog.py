@@ -304,8 +304,7 @@ _CATALOG: tuple[Hardware, ...] = (
     tdp_w=700.0,
     **_WITH_NVLS,
     sources=_common_sources(
-      hbm_gib="XLA-reported device_memory_size 84942979072 B "
-      "(hardware/targets/h100.txtpb)",
+      hbm_gib="XLA-reported device_memory_size 84942979072 B (hardware/targets/h100.txtpb)",
       allreduce_ring_busbw_gb_s="hardware.md: ~370 GB/s ring, 8 GPUs (nccl-tests issues)",
       allreduce_nvls_busbw_gb_s="hardware.md: ~480 GB/s with NVLS, 8 GPUs",
     ),

@@ -44,7 +44,9 @@ def cache_file(cache_path: str | os.PathLike | None = None) -> Path:
   return Path(cache_path or os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
-def cached_entry(devices: int, cache_path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+def cached_entry(
+  devices: int, cache_path: str | os.PathLike | None = None
+) -> dict[str, Any] | None:
   """This machine's cached profile entry for `devices` active devices, or None."""
   key = f"{_identity_key(machine_identity())}|devices={devices}"
   return _read_cache(cache_file(cache_path))["profiles"].get(key)

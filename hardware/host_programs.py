@@ -138,7 +138,8 @@ class Programs:
     self, shape: tuple[int, ...], dtype="float32", value: float = 1.0, g: int | None = None
   ):
     """An array of `shape` on each active device."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     sharding = NamedSharding(self.meshes[g or self.n], P(("o", "g")))
     return self.jnp.full((self.n * shape[0], *shape[1:]), value, dtype, device=sharding)

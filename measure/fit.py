@@ -37,38 +37,48 @@ def check_activation_memory(exp, layout: mesh_lib.MeshLayout, devices: list) -> 
   2022, arXiv:2205.05198, section 4.1), scaled to the compute dtype."""
   m, t = exp.model, exp.train
   replicas = layout.sizes["data"] * layout.sizes["fsdp"]
-  sequences = t.global_batch if not t.micro_batch else min(t.global_batch,
-                                                           t.micro_batch * replicas)
+  sequences = t.global_batch if not t.micro_batch else min(t.global_batch, t.micro_batch * replicas)
   dtype_bytes = 4 if m.compute_dtype == "float32" else 2
-  one_layer = (m.seq_len * sequences * m.d_model
-               * (34 + 5 * m.num_heads * m.seq_len / m.d_model) * dtype_bytes / 2)
+  one_layer = (
+    m.seq_len
+    * sequences
+    * m.d_model
+    * (34 + 5 * m.num_heads * m.seq_len / m.d_model)
+    * dtype_bytes
+    / 2
+  )
   capacity = _capacity_bytes(devices)
   if one_layer > 0.8 * capacity:
     raise UserInputError(
-        f"train.global_batch x model.seq_len: {sequences:,} sequences of {m.seq_len:,} "
-        f"tokens need at least {one_layer / 1e9:,.0f} GB of activations for one layer, "
-        f"these {len(devices)} devices have {capacity / 1e9:,.0f} GB; use a smaller batch, "
-        f"sequence or train.micro_batch")
+      f"train.global_batch x model.seq_len: {sequences:,} sequences of {m.seq_len:,} "
+      f"tokens need at least {one_layer / 1e9:,.0f} GB of activations for one layer, "
+      f"these {len(devices)} devices have {capacity / 1e9:,.0f} GB; use a smaller batch, "
+      f"sequence or train.micro_batch"
+    )
 
 
 def check_state_memory(program: train_step.TrainProgram, model_name: str, devices: list) -> None:
   """Refuse a model whose parameters and optimizer state cannot fit, before allocating."""
-  state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
-                    for x in jax.tree.leaves(program.abstract_state))
+  state_bytes = sum(
+    math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_state)
+  )
   capacity = _capacity_bytes(devices)
   if state_bytes > 0.8 * capacity:
     raise UserInputError(
-        f"model: {model_name} needs {state_bytes / 1e9:,.0f} GB for parameters and "
-        f"optimizer state, these {len(devices)} devices have {capacity / 1e9:,.0f} GB; "
-        f"choose a smaller size, e.g. --set model=gpt3-125m")
+      f"model: {model_name} needs {state_bytes / 1e9:,.0f} GB for parameters and "
+      f"optimizer state, these {len(devices)} devices have {capacity / 1e9:,.0f} GB; "
+      f"choose a smaller size, e.g. --set model=gpt3-125m"
+    )
 
 
 def peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
   """The MFU denominator and where it comes from."""
   if devices[0].platform == "cpu":
     host = loop.measure_matmul_tflops(dtype)
-    return host / len(devices), (f"measured: {dtype} 2048^3 matmul on this host, "
-                                 f"{host * 1e3:.0f} GFLOP/s shared by {len(devices)} CPU devices")
+    return host / len(devices), (
+      f"measured: {dtype} 2048^3 matmul on this host, "
+      f"{host * 1e3:.0f} GFLOP/s shared by {len(devices)} CPU devices"
+    )
   kind = devices[0].device_kind.upper()  # e.g. "NVIDIA H100 80GB HBM3"
   # Longest name first: "GB200" must not match as "B200".
   for name in sorted(catalog.names(), key=len, reverse=True):
@@ -76,5 +86,6 @@ def peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
       hw = catalog.get(name)
       # MFU on GPUs is quoted against dense BF16 peak, whatever the compute dtype.
       return hw.peak_tflops("bf16"), f"{hw.name} dense BF16 peak, hardware/catalog.py"
-  raise UserInputError(f"--devices: no peak figure for {devices[0].device_kind} in "
-                       f"hardware/catalog.py")
+  raise UserInputError(
+    f"--devices: no peak figure for {devices[0].device_kind} in hardware/catalog.py"
+  )

@@ -51,9 +51,11 @@ class PointRun:
 def build_point(exp, devices: list) -> tuple[mesh_lib.MeshLayout, train_step.TrainProgram]:
   """The experiment's mesh over `devices` and its train step, checked to fit first."""
   if exp.model.attention == "cudnn" and devices[0].platform != "gpu":
-    raise UserInputError(f"model.attention=cudnn runs on NVIDIA GPUs only, these devices are "
-                         f"{devices[0].platform.upper()}; use model.attention=xla (projections "
-                         f"take cudnn: --mode=project)")
+    raise UserInputError(
+      f"model.attention=cudnn runs on NVIDIA GPUs only, these devices are "
+      f"{devices[0].platform.upper()}; use model.attention=xla (projections "
+      f"take cudnn: --mode=project)"
+    )
   layout = mesh_lib.plan(exp.mesh, len(devices))
   fit.check_activation_memory(exp, layout, devices)
   mesh = mesh_lib.build_mesh(layout, devices)
@@ -69,14 +71,20 @@ def pipeline_fields(exp, stages: int, micro_batches: int) -> tuple[dict, str]:
   virtual, schedule = exp.train.virtual_stages, exp.train.pipeline_schedule
   passes = pipeline.passes(exp.train.pipeline_passes, micro_batches, stages, schedule)
   per_pass = micro_batches // passes
-  fields = {"pipeline_schedule": schedule, "virtual_stages": virtual,
-            "micro_batches": micro_batches, "pipeline_passes": passes,
-            "pipeline_trips": passes * pipeline.trips(per_pass, stages, virtual),
-            "bubble_fraction": pipeline.bubble_fraction(per_pass, stages, virtual)}
+  fields = {
+    "pipeline_schedule": schedule,
+    "virtual_stages": virtual,
+    "micro_batches": micro_batches,
+    "pipeline_passes": passes,
+    "pipeline_trips": passes * pipeline.trips(per_pass, stages, virtual),
+    "bubble_fraction": pipeline.bubble_fraction(per_pass, stages, virtual),
+  }
   if schedule == "1f1b":
     plan = one_f_one_b.schedule(micro_batches, stages, virtual)
-    trips = (f"{plan.delay} forward, {plan.groups - 1} x {plan.group_trips} both, "
-             f"{plan.drain_trips} backward; residual slots {plan.slots} chunks")
+    trips = (
+      f"{plan.delay} forward, {plan.groups - 1} x {plan.group_trips} both, "
+      f"{plan.drain_trips} backward; residual slots {plan.slots} chunks"
+    )
   else:
     trips = f"{fields['pipeline_trips']} = {passes} x {pipeline.trips(per_pass, stages, virtual)}"
   return fields, trips
@@ -90,8 +98,9 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
   """Train (`mode` "train") or time (`mode` "benchmark") `exp` on `devices`."""
   profile = None
   if options.profile_steps:
-    profile = hooks_lib.parse_profile_steps(options.profile_steps,
-                                            exp.train.warmup_steps + exp.train.steps)
+    profile = hooks_lib.parse_profile_steps(
+      options.profile_steps, exp.train.warmup_steps + exp.train.steps
+    )
   layout, program = build_point(exp, devices)
   stages = layout.sizes["pipeline"]
   pipeline_record, trips = pipeline_fields(exp, stages, program.micro_batches)
@@ -104,8 +113,9 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
     peak, peak_source = fit.peak_tflops_per_device(devices, exp.model.compute_dtype)
   checkpoints = None
   if options.checkpoint_dir is not None:  # before the hooks: a refused one leaves no files
-    checkpoints = Checkpoints(options.checkpoint_dir, options.checkpoint_every,
-                              options.keep_checkpoints)
+    checkpoints = Checkpoints(
+      options.checkpoint_dir, options.checkpoint_every, options.keep_checkpoints
+    )
   hooks = list(options.hooks)
   tensorboard_dir = profile_dir = None
   if options.output_dir is not None and importlib.util.find_spec("tensorboardX") is None:
@@ -113,36 +123,61 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
     # the run and its record go on without the scalars.
     print("note: tensorboardX is not installed; no TensorBoard scalars", file=sys.stderr)
   elif options.output_dir is not None:
-    run_name = (f"{exp.name}_{mode}_{layout.devices}dev_"
-                f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+    run_name = (
+      f"{exp.name}_{mode}_{layout.devices}dev_"
+      f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
+    )
     tensorboard_dir = os.path.join(options.output_dir, "tensorboard", run_name)
-    hooks.insert(0, hooks_lib.TensorBoardHook(
-        tensorboard_dir, exp.train.global_batch * exp.model.seq_len,
-        train_flops_per_token(exp.model), layout.devices, peak))
+    hooks.insert(
+      0,
+      hooks_lib.TensorBoardHook(
+        tensorboard_dir,
+        exp.train.global_batch * exp.model.seq_len,
+        train_flops_per_token(exp.model),
+        layout.devices,
+        peak,
+      ),
+    )
   if profile:
     profile_dir = os.path.join(options.output_dir or "runs", "profile")
     hooks.append(hooks_lib.ProfileHook(profile_dir, *profile))
   result = loop.run(program, exp.model, exp.train, checkpoints, hooks)
   if not result.step_times_s:
-    print(f"\nnothing left to run: the checkpoint in {options.checkpoint_dir} is at step "
-          f"{result.first_step}, the run has {exp.train.warmup_steps + exp.train.steps}")
+    print(
+      f"\nnothing left to run: the checkpoint in {options.checkpoint_dir} is at step "
+      f"{result.first_step}, the run has {exp.train.warmup_steps + exp.train.steps}"
+    )
     return PointRun(None, result, program, layout)
   if options.output_dir is None:
     return PointRun(None, result, program, layout)
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   record = MeasuredPoint(
-      mode=mode, experiment=exp.name, model=exp.model.name, params=param_count(exp.model),
-      devices=layout.devices, nodes=layout.nodes, mesh=layout.sizes,
-      mesh_nvlink=layout.nvlink, mesh_infiniband=layout.infiniband,
-      global_batch=exp.train.global_batch, seq_len=exp.model.seq_len,
-      tokens_per_step=tokens_per_step, timed_steps=exp.train.steps,
-      compute_dtype=exp.model.compute_dtype, remat=exp.model.remat,
-      platform=devices[0].platform, device_kind=devices[0].device_kind,
-      **loop.summarize(result, tokens_per_step, layout.devices,
-                       train_flops_per_token(exp.model), peak),
-      peak_source=peak_source, tensorboard_dir=tensorboard_dir, time=_now(),
-      **pipeline_record,
-      profile_dir=profile_dir,
-      losses=result.losses if mode == "train" else None,
-      resumed_from_step=result.first_step or None)
+    mode=mode,
+    experiment=exp.name,
+    model=exp.model.name,
+    params=param_count(exp.model),
+    devices=layout.devices,
+    nodes=layout.nodes,
+    mesh=layout.sizes,
+    mesh_nvlink=layout.nvlink,
+    mesh_infiniband=layout.infiniband,
+    global_batch=exp.train.global_batch,
+    seq_len=exp.model.seq_len,
+    tokens_per_step=tokens_per_step,
+    timed_steps=exp.train.steps,
+    compute_dtype=exp.model.compute_dtype,
+    remat=exp.model.remat,
+    platform=devices[0].platform,
+    device_kind=devices[0].device_kind,
+    **loop.summarize(
+      result, tokens_per_step, layout.devices, train_flops_per_token(exp.model), peak
+    ),
+    peak_source=peak_source,
+    tensorboard_dir=tensorboard_dir,
+    time=_now(),
+    **pipeline_record,
+    profile_dir=profile_dir,
+    losses=result.losses if mode == "train" else None,
+    resumed_from_step=result.first_step or None,
+  )
   return PointRun(record, result, program, layout)

@@ -12,6 +12,7 @@ no biases, a 128,256-token vocabulary.
 """
 
 import dataclasses
+import math
 from typing import Literal
 
 from errors import UserInputError
@@ -106,118 +107,197 @@ class ModelConfig:
     return (self.vocab_size + m - 1) // m * m
 
   def validate(self) -> None:
-    for field in ("num_layers", "d_model", "num_heads", "head_dim", "seq_len",
-                  "vocab_size", "vocab_multiple"):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise UserInputError(f"model.{field.name} must be a finite number, got {value}")
+    for field in (
+      "num_layers",
+      "d_model",
+      "num_heads",
+      "head_dim",
+      "seq_len",
+      "vocab_size",
+      "vocab_multiple",
+    ):
       if getattr(self, field) < 1:
-        raise UserInputError(f"model.{field} must be a positive integer, got {getattr(self, field)}")
+        raise UserInputError(
+          f"model.{field} must be a positive integer, got {getattr(self, field)}"
+        )
     for field in ("ffn_dim", "num_kv_heads"):
       if getattr(self, field) < 0:
-        raise UserInputError(f"model.{field} must be 0 (the default) or a positive integer, "
-                             f"got {getattr(self, field)}")
+        raise UserInputError(
+          f"model.{field} must be 0 (the default) or a positive integer, got {getattr(self, field)}"
+        )
     if self.num_heads % self.kv_heads:
-      raise UserInputError(f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads "
-                           f"= {self.num_heads} (each K/V head serves a group of query heads)")
+      raise UserInputError(
+        f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads "
+        f"= {self.num_heads} (each K/V head serves a group of query heads)"
+      )
     for field, allowed in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
       if getattr(self, field) not in allowed:
-        raise UserInputError(f"model.{field} must be one of {', '.join(allowed)}, "
-                             f"got {getattr(self, field)!r}")
+        raise UserInputError(
+          f"model.{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}"
+        )
     if self.positions == "rope":
       if self.head_dim % 2:
-        raise UserInputError(f"model.head_dim = {self.head_dim} must be even with rotary "
-                             "positions (they rotate pairs of entries)")
-      if not (self.rope_theta > 1 and self.rope_scale_factor >= 1 and self.rope_original_seq_len >= 1
-              and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
-        raise UserInputError("model.rope_*: need rope_theta > 1, rope_scale_factor >= 1, "
-                             "rope_original_seq_len >= 1 and 0 < rope_low_freq_factor < "
-                             f"rope_high_freq_factor, got {self.rope_theta}, "
-                             f"{self.rope_scale_factor}, {self.rope_original_seq_len}, "
-                             f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
+        raise UserInputError(
+          f"model.head_dim = {self.head_dim} must be even with rotary "
+          "positions (they rotate pairs of entries)"
+        )
+      if not (
+        self.rope_theta > 1
+        and self.rope_scale_factor >= 1
+        and self.rope_original_seq_len >= 1
+        and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+      ):
+        raise UserInputError(
+          "model.rope_*: need rope_theta > 1, rope_scale_factor >= 1, "
+          "rope_original_seq_len >= 1 and 0 < rope_low_freq_factor < "
+          f"rope_high_freq_factor, got {self.rope_theta}, "
+          f"{self.rope_scale_factor}, {self.rope_original_seq_len}, "
+          f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}"
+        )
     if not self.norm_eps > 0:
       raise UserInputError(f"model.norm_eps must be positive, got {self.norm_eps}")
     if self.fp8_amax_history < 0:
-      raise UserInputError("model.fp8_amax_history must be 0 (current scaling) or a positive "
-                           f"number of steps, got {self.fp8_amax_history}")
+      raise UserInputError(
+        "model.fp8_amax_history must be 0 (current scaling) or a positive "
+        f"number of steps, got {self.fp8_amax_history}"
+      )
     if self.remat not in REMAT_POLICIES:
-      raise UserInputError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+      raise UserInputError(
+        f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}"
+      )
     if self.attention not in ATTENTION:
-      raise UserInputError(f"model.attention must be one of {', '.join(ATTENTION)}, "
-                           f"got {self.attention!r}")
+      raise UserInputError(
+        f"model.attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}"
+      )
     for field in ("param_dtype", "compute_dtype"):
       if getattr(self, field) not in DTYPES:
-        raise UserInputError(f"model.{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
-
+        raise UserInputError(
+          f"model.{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}"
+        )
 
   def validate_context(self, context: int, tensor: int, pipeline: int) -> None:
     """The model on a mesh with `context` context-parallel ranks (parallelism/context.py)."""
     if context == 1:
       return
     if self.seq_len % (2 * context):
-      raise UserInputError(f"model.seq_len = {self.seq_len} does not split into 2 x mesh.context "
-                           f"= {2 * context} equal chunks (causal load balance); use a multiple "
-                           f"of {2 * context}")
+      raise UserInputError(
+        f"model.seq_len = {self.seq_len} does not split into 2 x mesh.context "
+        f"= {2 * context} equal chunks (causal load balance); use a multiple "
+        f"of {2 * context}"
+      )
     if self.sequence_parallel and (self.seq_len // context) % tensor:
-      raise UserInputError(f"model.seq_len = {self.seq_len}: a context rank's {self.seq_len // context} "
-                           f"tokens do not divide over mesh.tensor = {tensor} "
-                           "(model.sequence_parallel)")
+      raise UserInputError(
+        f"model.seq_len = {self.seq_len}: a context rank's {self.seq_len // context} "
+        f"tokens do not divide over mesh.tensor = {tensor} "
+        "(model.sequence_parallel)"
+      )
     if self.attention != "xla":
-      raise UserInputError(f"model.attention = {self.attention!r} cannot run with mesh.context = "
-                           f"{context}: its causal mask is by index, not the load-balanced "
-                           "positions; use model.attention=xla")
+      raise UserInputError(
+        f"model.attention = {self.attention!r} cannot run with mesh.context = "
+        f"{context}: its causal mask is by index, not the load-balanced "
+        "positions; use model.attention=xla"
+      )
     if self.fp8:
-      raise UserInputError(f"model.fp8 with mesh.context = {context} is not supported; use "
-                           "model.fp8=false or mesh.context=1")
+      raise UserInputError(
+        f"model.fp8 with mesh.context = {context} is not supported; use "
+        "model.fp8=false or mesh.context=1"
+      )
     if pipeline > 1:
-      raise UserInputError(f"mesh.pipeline = {pipeline} with mesh.context = {context} is not "
-                           "supported; use mesh.pipeline=1 or mesh.context=1")
+      raise UserInputError(
+        f"mesh.pipeline = {pipeline} with mesh.context = {context} is not "
+        "supported; use mesh.pipeline=1 or mesh.context=1"
+      )
 
 
 def _gpt3(name: str, layers: int, d_model: int, heads: int, head_dim: int) -> ModelConfig:
-  return ModelConfig(name=name, num_layers=layers, d_model=d_model, num_heads=heads,
-                     head_dim=head_dim, seq_len=2048, vocab_size=50257,
-                     compute_dtype="bfloat16")
+  return ModelConfig(
+    name=name,
+    num_layers=layers,
+    d_model=d_model,
+    num_heads=heads,
+    head_dim=head_dim,
+    seq_len=2048,
+    vocab_size=50257,
+    compute_dtype="bfloat16",
+  )
 
 
-def _llama3(name: str, layers: int, d_model: int, heads: int, ffn_dim: int, tied: bool,
-            rope_scale_factor: float) -> ModelConfig:
-  return ModelConfig(name=name, num_layers=layers, d_model=d_model, num_heads=heads,
-                     head_dim=d_model // heads, num_kv_heads=8, ffn_dim=ffn_dim,
-                     seq_len=8192, vocab_size=128256, tie_embeddings=tied,
-                     compute_dtype="bfloat16", **LLAMA3_ARCHITECTURE,
-                     rope_scale_factor=rope_scale_factor)
+def _llama3(
+  name: str,
+  layers: int,
+  d_model: int,
+  heads: int,
+  ffn_dim: int,
+  tied: bool,
+  rope_scale_factor: float,
+) -> ModelConfig:
+  return ModelConfig(
+    name=name,
+    num_layers=layers,
+    d_model=d_model,
+    num_heads=heads,
+    head_dim=d_model // heads,
+    num_kv_heads=8,
+    ffn_dim=ffn_dim,
+    seq_len=8192,
+    vocab_size=128256,
+    tie_embeddings=tied,
+    compute_dtype="bfloat16",
+    **LLAMA3_ARCHITECTURE,
+    rope_scale_factor=rope_scale_factor,
+  )
 
 
 # What every Llama 3 size shares (Meta's params.json: norm_eps 1e-5, rope_theta 500000,
 # use_scaled_rope; config.json rope_scaling: low_freq_factor 1, high_freq_factor 4,
 # original_max_position_embeddings 8192). Pre-training runs at 8,192 tokens
 # (arXiv:2407.21783, section 3.4).
-LLAMA3_ARCHITECTURE = dict(norm="rmsnorm", norm_eps=1e-5, positions="rope", mlp="swiglu",
-                           use_bias=False, rope_theta=500000.0, rope_low_freq_factor=1.0,
-                           rope_high_freq_factor=4.0, rope_original_seq_len=8192)
+LLAMA3_ARCHITECTURE = dict(
+  norm="rmsnorm",
+  norm_eps=1e-5,
+  positions="rope",
+  mlp="swiglu",
+  use_bias=False,
+  rope_theta=500000.0,
+  rope_low_freq_factor=1.0,
+  rope_high_freq_factor=4.0,
+  rope_original_seq_len=8192,
+)
 
 
 # Table 2.1 of the GPT-3 paper. Its 13B row says d_model 5140 with 40 heads of 128;
 # 40 x 128 = 5120, the width every reimplementation (Megatron, NeMo) uses.
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(),
-    "gpt3-125m": _gpt3("gpt3-125m", 12, 768, 12, 64),
-    "gpt3-350m": _gpt3("gpt3-350m", 24, 1024, 16, 64),
-    "gpt3-760m": _gpt3("gpt3-760m", 24, 1536, 16, 96),
-    "gpt3-1.3b": _gpt3("gpt3-1.3b", 24, 2048, 24, 128),
-    "gpt3-2.7b": _gpt3("gpt3-2.7b", 32, 2560, 32, 80),
-    "gpt3-6.7b": _gpt3("gpt3-6.7b", 32, 4096, 32, 128),
-    "gpt3-13b": _gpt3("gpt3-13b", 40, 5120, 40, 128),
-    "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96, 128),
-    # Llama 3.1 (arXiv:2407.21783 Table 3; rope scale factor 8) and 3.2 (Meta's Llama 3.2
-    # model cards and config.json: tied embeddings, rope scale factor 32).
-    "llama3.1-8b": _llama3("llama3.1-8b", 32, 4096, 32, 14336, False, 8.0),
-    "llama3.1-70b": _llama3("llama3.1-70b", 80, 8192, 64, 28672, False, 8.0),
-    "llama3.1-405b": _llama3("llama3.1-405b", 126, 16384, 128, 53248, False, 8.0),
-    "llama3.2-1b": _llama3("llama3.2-1b", 16, 2048, 32, 8192, True, 32.0),
-    "llama3.2-3b": _llama3("llama3.2-3b", 28, 3072, 24, 8192, True, 32.0),
-    # The Llama architecture at test size: 4 query heads sharing 2 K/V heads.
-    "llama3-tiny": ModelConfig(name="llama3-tiny", num_kv_heads=2, ffn_dim=160, vocab_size=256,
-                               tie_embeddings=False,
-                               **LLAMA3_ARCHITECTURE, rope_scale_factor=8.0),
+  "tiny": ModelConfig(),
+  "gpt3-125m": _gpt3("gpt3-125m", 12, 768, 12, 64),
+  "gpt3-350m": _gpt3("gpt3-350m", 24, 1024, 16, 64),
+  "gpt3-760m": _gpt3("gpt3-760m", 24, 1536, 16, 96),
+  "gpt3-1.3b": _gpt3("gpt3-1.3b", 24, 2048, 24, 128),
+  "gpt3-2.7b": _gpt3("gpt3-2.7b", 32, 2560, 32, 80),
+  "gpt3-6.7b": _gpt3("gpt3-6.7b", 32, 4096, 32, 128),
+  "gpt3-13b": _gpt3("gpt3-13b", 40, 5120, 40, 128),
+  "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96, 128),
+  # Llama 3.1 (arXiv:2407.21783 Table 3; rope scale factor 8) and 3.2 (Meta's Llama 3.2
+  # model cards and config.json: tied embeddings, rope scale factor 32).
+  "llama3.1-8b": _llama3("llama3.1-8b", 32, 4096, 32, 14336, False, 8.0),
+  "llama3.1-70b": _llama3("llama3.1-70b", 80, 8192, 64, 28672, False, 8.0),
+  "llama3.1-405b": _llama3("llama3.1-405b", 126, 16384, 128, 53248, False, 8.0),
+  "llama3.2-1b": _llama3("llama3.2-1b", 16, 2048, 32, 8192, True, 32.0),
+  "llama3.2-3b": _llama3("llama3.2-3b", 28, 3072, 24, 8192, True, 32.0),
+  # The Llama architecture at test size: 4 query heads sharing 2 K/V heads.
+  "llama3-tiny": ModelConfig(
+    name="llama3-tiny",
+    num_kv_heads=2,
+    ffn_dim=160,
+    vocab_size=256,
+    tie_embeddings=False,
+    **LLAMA3_ARCHITECTURE,
+    rope_scale_factor=8.0,
+  ),
 }
 
 

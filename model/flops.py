@@ -42,8 +42,14 @@ def _mlp_matrices(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig) -> int:
   """Every parameter, embeddings, norms and biases included (model/gpt.py's shapes)."""
-  L, D, H, K, F, V = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim,
-                      cfg.d_ff, cfg.padded_vocab)
+  L, D, H, K, F, V = (
+    cfg.num_layers,
+    cfg.d_model,
+    cfg.num_heads,
+    cfg.head_dim,
+    cfg.d_ff,
+    cfg.padded_vocab,
+  )
   qkv_heads = H + 2 * cfg.kv_heads
   m = _mlp_matrices(cfg)
   # A norm has a scale [D], and a LayerNorm with biases a shift [D] too.
@@ -93,11 +99,19 @@ def matmul_flops_per_step(cfg: ModelConfig, global_batch: int) -> float:
   on H100 and a small model with save_dots on CPU (tests/test_projection.py); small
   models with each policy on CPU when this was written.
   """
-  L, D, H, K, F, T = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff,
-                      cfg.seq_len)
+  L, D, H, K, F, T = (
+    cfg.num_layers,
+    cfg.d_model,
+    cfg.num_heads,
+    cfg.head_dim,
+    cfg.d_ff,
+    cfg.seq_len,
+  )
   attention = 4 * L * T * H * K
   forward = 2 * matmul_param_count(cfg) + attention
-  recompute = {"none": 0,
-               "save_dots": attention,
-               "full": 2 * L * (layer_matmul_param_count(cfg) - D * F) + attention}[cfg.remat]
+  recompute = {
+    "none": 0,
+    "save_dots": attention,
+    "full": 2 * L * (layer_matmul_param_count(cfg) - D * F) + attention,
+  }[cfg.remat]
   return float(3 * forward + recompute) * global_batch * T

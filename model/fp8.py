@@ -18,7 +18,8 @@ published MLPerf runs (`DelayedScaling`: amax_history_len 1024, amax_compute_alg
 by default, TE 1.x-2.x API docs): each cast uses a scale from the largest amax of the last
 N steps, so it need not wait for a pass over the tensor and can fuse into the op that
 produces it; the tensor's amax is still taken (a reduction XLA can fuse alongside, and
-off the critical path) and recorded for the steps to come. A `CastWeight` then carries the two scales (`x_scale`, `g_scale`),
+off the critical path) and recorded for the steps to come. A `CastWeight` then carries
+the two scales (`x_scale`, `g_scale`),
 and the backward pass returns the observed amaxes as their cotangents: every code path
 that differentiates the layers brings them out as it brings out weight gradients, and
 combines the micro-batches' and replicas' amaxes with max (train/step.py,
@@ -193,12 +194,17 @@ def split_casts(params: dict) -> tuple[dict, dict, dict]:
   first, nothing for the second and the maximum amax observed for the third."""
   weights = {k: v.weight if isinstance(v, CastWeight) else v for k, v in params.items()}
   casts = {k: (v.cast, v.scale) for k, v in params.items() if isinstance(v, CastWeight)}
-  scales = {k: (v.x_scale, v.g_scale) for k, v in params.items()
-            if isinstance(v, CastWeight) and v.x_scale is not None}
+  scales = {
+    k: (v.x_scale, v.g_scale)
+    for k, v in params.items()
+    if isinstance(v, CastWeight) and v.x_scale is not None
+  }
   return weights, casts, scales
 
 
 def with_casts(weights: dict, casts: dict, scales: dict) -> dict:
   """The inverse of split_casts."""
-  return {k: CastWeight(w, *casts[k], *scales.get(k, (None, None))) if k in casts else w
-          for k, w in weights.items()}
+  return {
+    k: CastWeight(w, *casts[k], *scales.get(k, (None, None))) if k in casts else w
+    for k, w in weights.items()
+  }

@@ -23,29 +23,28 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import UserInputError
-from model import fp8
+from model import fp8, rope
 from model import matmul as dense
-from model import rope
 from model.config import ModelConfig
 from parallelism import context, rules, sequence
 from parallelism.rules import constrain
 
 SAVED_NAMES = ("layer_input", "mid_residual", "qkv", "attention", "fc1")
 _REMAT = {
-    # No matmul is recomputed, but LayerNorm, GELU and softmax are: their intermediates
-    # would otherwise be stacked over layers by the scan, written in the forward pass
-    # and read back in the backward. On CPU those memory passes cost more than the
-    # recomputation, and the step's temporary memory roughly halves.
-    "none": jax.checkpoint_policies.dots_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Saves what Megatron keeps with sequence parallelism (Korthikanti et al. 2022): the
-    # layer input, the QKV, attention and fc1 outputs and the mid-block residual;
-    # LayerNorms, GELU, FP8 casts and the sequence-parallel all-gathers of the LayerNorm
-    # outputs are redone. Without the layer input, a remat boundary around several layers
-    # (a pipeline chunk) would recompute fc2 to rebuild each layer's input.
-    "elementwise": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
+  # No matmul is recomputed, but LayerNorm, GELU and softmax are: their intermediates
+  # would otherwise be stacked over layers by the scan, written in the forward pass
+  # and read back in the backward. On CPU those memory passes cost more than the
+  # recomputation, and the step's temporary memory roughly halves.
+  "none": jax.checkpoint_policies.dots_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
+  "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  # Saves what Megatron keeps with sequence parallelism (Korthikanti et al. 2022): the
+  # layer input, the QKV, attention and fc1 outputs and the mid-block residual;
+  # LayerNorms, GELU, FP8 casts and the sequence-parallel all-gathers of the LayerNorm
+  # outputs are redone. Without the layer input, a remat boundary around several layers
+  # (a pipeline chunk) would recompute fc2 to rebuild each layer's input.
+  "elementwise": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
 }
 
 
@@ -82,23 +81,31 @@ class Layers(nnx.Module):
     # LayerNorm's shift is a bias too; RMSNorm has none.
     norm_bias = cfg.use_bias and cfg.norm == "layernorm"
     # SwiGLU's gate and up projections: one kernel [D, 2, F].
-    fc1_shape, fc1_axes = (((D, 2, F), ("embed", "gate_up", "mlp")) if cfg.mlp == "swiglu"
-                           else ((D, F), ("embed", "mlp")))
+    fc1_shape, fc1_axes = (
+      ((D, 2, F), ("embed", "gate_up", "mlp"))
+      if cfg.mlp == "swiglu"
+      else ((D, F), ("embed", "mlp"))
+    )
     self.ln1_scale = _ones((L, D), (stack, "embed"), dt)
     if norm_bias:
       self.ln1_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
     if cfg.grouped_query:
       self.q_kernel = _param(rngs.params(), (L, D, H, K), (stack, "embed", "heads", "kv"), std, dt)
-      self.kv_kernel = _param(rngs.params(), (L, D, 2, G, K),
-                              (stack, "embed", "qkv", "kv_heads", "kv"), std, dt)
+      self.kv_kernel = _param(
+        rngs.params(), (L, D, 2, G, K), (stack, "embed", "qkv", "kv_heads", "kv"), std, dt
+      )
       if cfg.use_bias:
         self.q_bias = _param(None, (L, H, K), (stack, "heads", "kv"), 0, dt)
         self.kv_bias = _param(None, (L, 2, G, K), (stack, "qkv", "kv_heads", "kv"), 0, dt)
     else:
-      self.qkv_kernel = _param(rngs.params(), (L, D, 3, H, K), (stack, "embed", "qkv", "heads", "kv"), std, dt)
+      self.qkv_kernel = _param(
+        rngs.params(), (L, D, 3, H, K), (stack, "embed", "qkv", "heads", "kv"), std, dt
+      )
       if cfg.use_bias:
         self.qkv_bias = _param(None, (L, 3, H, K), (stack, "qkv", "heads", "kv"), 0, dt)
-    self.out_kernel = _param(rngs.params(), (L, H, K, D), (stack, "heads", "kv", "embed"), out_std, dt)
+    self.out_kernel = _param(
+      rngs.params(), (L, H, K, D), (stack, "heads", "kv", "embed"), out_std, dt
+    )
     if cfg.use_bias:
       self.out_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
     self.ln2_scale = _ones((L, D), (stack, "embed"), dt)
@@ -112,8 +119,9 @@ class Layers(nnx.Module):
       self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None,
-               eps: float = 1e-5) -> jax.Array:
+def layer_norm(
+  x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5
+) -> jax.Array:
   """LayerNorm with statistics in float32 whatever the compute dtype."""
   x32 = x.astype(jnp.float32)
   mean = x32.mean(-1, keepdims=True)
@@ -137,8 +145,9 @@ def norm(cfg: ModelConfig, x: jax.Array, p: dict, prefix: str) -> jax.Array:
   return layer_norm(x, p[f"{prefix}_scale"], p.get(f"{prefix}_bias"), cfg.norm_eps)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla",
-              mask: jax.Array | None = None) -> jax.Array:
+def attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla", mask: jax.Array | None = None
+) -> jax.Array:
   """Causal softmax attention. q: [B, T, H, K], k, v: [B, S, G, K] with G dividing H
   (query head h uses K/V head h // (H / G)) -> [B, T, H, K]; kind as ModelConfig.attention.
   mask [T, S] (True: attend; context parallelism's, by true positions), else causal by
@@ -195,8 +204,9 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
     # made XLA:CPU transpose the kernel and the activations in every layer.
     qkv_axes = ("batch", "length", "qkv", "act_heads", None)
-    qkv = tensor_parallel("btd,dchk->btchk", h, p["qkv_kernel"], residual,
-                          ("embed", "qkv", "heads", "kv"), qkv_axes)
+    qkv = tensor_parallel(
+      "btd,dchk->btchk", h, p["qkv_kernel"], residual, ("embed", "qkv", "heads", "kv"), qkv_axes
+    )
     qkv = checkpoint_name(constrain(biased(qkv, "qkv_bias"), qkv_axes), "qkv")
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
   if cfg.positions == "rope":
@@ -209,16 +219,26 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   else:
     a = attention(q, k, v, cfg.attention)
   a = checkpoint_name(a, "attention")
-  x = biased(x + tensor_parallel("bthk,hkd->btd", a, p["out_kernel"],
-                                 ("batch", "length", "act_heads", None), ("heads", "kv", "embed"),
-                                 residual), "out_bias")
+  x = biased(
+    x
+    + tensor_parallel(
+      "bthk,hkd->btd",
+      a,
+      p["out_kernel"],
+      ("batch", "length", "act_heads", None),
+      ("heads", "kv", "embed"),
+      residual,
+    ),
+    "out_bias",
+  )
   x = checkpoint_name(x, "mid_residual")
   h = norm(cfg, x, p, "ln2")
   mlp_axes = ("batch", "length", "act_mlp")
   if cfg.mlp == "swiglu":
     gate_up_axes = ("batch", "length", None, "act_mlp")
-    h = tensor_parallel("btd,dcf->btcf", h, p["fc1_kernel"], residual,
-                        ("embed", "gate_up", "mlp"), gate_up_axes)
+    h = tensor_parallel(
+      "btd,dcf->btcf", h, p["fc1_kernel"], residual, ("embed", "gate_up", "mlp"), gate_up_axes
+    )
     h = checkpoint_name(constrain(biased(h, "fc1_bias"), gate_up_axes), "fc1")
     h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
   else:
@@ -232,13 +252,17 @@ def _grouped_qkv(cfg: ModelConfig, h: jax.Array, p: dict, tensor_parallel, biase
   """Grouped-query attention's projections: q [B, T, H, K], k and v [B, T, G, K]."""
   residual = residual_axes(cfg)
   q_axes = ("batch", "length", "act_heads", None)
-  q = tensor_parallel("btd,dhk->bthk", h, p["q_kernel"], residual, ("embed", "heads", "kv"),
-                      q_axes)
+  q = tensor_parallel("btd,dhk->bthk", h, p["q_kernel"], residual, ("embed", "heads", "kv"), q_axes)
   q = checkpoint_name(constrain(biased(q, "q_bias"), q_axes), "qkv")
   # The K/V heads' axes as the mesh splits them: replicated where there are fewer than
   # tensor ranks (resolved here, since sequence parallelism's shard_map takes the names).
-  w_axes, kv_axes = (_kv_heads_resolved(cfg, axes) for axes in (
-      ("embed", "qkv", "kv_heads", "kv"), ("batch", "length", "qkv", "act_kv_heads", None)))
+  w_axes, kv_axes = (
+    _kv_heads_resolved(cfg, axes)
+    for axes in (
+      ("embed", "qkv", "kv_heads", "kv"),
+      ("batch", "length", "qkv", "act_kv_heads", None),
+    )
+  )
   if cfg.sequence_parallel and "act_kv_heads" not in kv_axes:
     # Every rank needs every K/V head: each computes them for its own sequence shard and
     # all-gathers the result, 2GK values a token against the D of the normed input that
@@ -271,8 +295,13 @@ def _kv_heads_resolved(cfg: ModelConfig, axes: tuple) -> tuple:
   return rules.resolve(axes, sizes, mesh.shape)
 
 
-def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array],
-               chunk: tuple[jax.Array, int] | None = None, unroll: bool = False) -> jax.Array:
+def run_layers(
+  cfg: ModelConfig,
+  x: jax.Array,
+  layer_params: dict[str, jax.Array],
+  chunk: tuple[jax.Array, int] | None = None,
+  unroll: bool = False,
+) -> jax.Array:
   """Layers of a stack (leading axis of each parameter) on x, under the remat policy: all of
   them, or with chunk = (first, count) the stack's rows first .. first + count - 1.
 
@@ -286,8 +315,9 @@ def run_layers(cfg: ModelConfig, x: jax.Array, layer_params: dict[str, jax.Array
   backward chunks are one loop body whose ops XLA can interleave).
   """
   policy = _REMAT[cfg.remat]
-  step = jax.checkpoint(lambda carry, p: (block(cfg, carry, p), None), policy=policy,
-                        prevent_cse=False)
+  step = jax.checkpoint(
+    lambda carry, p: (block(cfg, carry, p), None), policy=policy, prevent_cse=False
+  )
   if chunk is None:
     return jax.lax.scan(step, x, layer_params, unroll=unroll)[0]
   first, count = chunk
@@ -333,16 +363,19 @@ class GPT(nnx.Module):
     """The stacked layer parameters in the compute dtype; with FP8 the matmul kernels
     with their FP8 casts, made once here for every layer call of the step. scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
-    params = {name: self._cast(v) for name, v in vars(self.layers).items()
-              if isinstance(v, nnx.Param)}
+    params = {
+      name: self._cast(v) for name, v in vars(self.layers).items() if isinstance(v, nnx.Param)
+    }
     if self.cfg.fp8:
       names = kernels(self.cfg)
       if scales and set(scales) != set(names):
         # Delayed scaling's histories are keyed by kernel; histories for another model's
         # kernels would leave these current-scaled and record nothing.
-        raise UserInputError(f"model.fp8_amax_history: amax histories for {', '.join(sorted(scales))}, "
-                             f"but this model's FP8 kernels are {', '.join(names)}; use "
-                             "model.fp8_amax_history=0 (current scaling)")
+        raise UserInputError(
+          f"model.fp8_amax_history: amax histories for {', '.join(sorted(scales))}, "
+          f"but this model's FP8 kernels are {', '.join(names)}; use "
+          "model.fp8_amax_history=0 (current scaling)"
+        )
       for name in names:
         w = fp8.cast_weights(params[name], (scales or {}).get(name))
         # A kernel may be stored split over `data` (train.shard_optimizer): its cast is
@@ -361,7 +394,7 @@ class GPT(nnx.Module):
       if context.ranks() > 1:
         x = x + self._cast(self.wpe)[context.positions(tokens.shape[1])]
       else:
-        x = x + self._cast(self.wpe)[:tokens.shape[1]]
+        x = x + self._cast(self.wpe)[: tokens.shape[1]]
     return constrain(x, residual_axes(self.cfg))
 
   def head(self, x: jax.Array) -> jax.Array:

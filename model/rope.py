@@ -55,6 +55,7 @@ def rotate(x: jax.Array, cfg: ModelConfig, positions: np.ndarray | None = None) 
   cos = jnp.asarray(np.cos(angles), jnp.float32)[:, None, :]  # [T, 1, K/2]
   sin = jnp.asarray(np.sin(angles), jnp.float32)[:, None, :]
   x32 = x.astype(jnp.float32)
-  first, second = x32[..., :K // 2], x32[..., K // 2:]
-  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
-                         axis=-1).astype(x.dtype)
+  first, second = x32[..., : K // 2], x32[..., K // 2 :]
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(
+    x.dtype
+  )

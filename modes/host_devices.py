@@ -14,6 +14,7 @@ def _projects(argv: list[str]) -> bool:
     return "--hardware=host" not in argv
   if "--mode=sweep" in argv:
     from sweep import definitions  # pylint: disable=import-outside-toplevel (imports no jax)
+
     names = [a.split("=", 1)[1] for a in argv if a.startswith("--experiment=")]
     definition = definitions.SWEEPS.get(names[-1] if names else "")
     return definition is not None and definition.mode == "project"
@@ -28,8 +29,10 @@ def from_argv(argv: list[str]) -> int:
       value = platform_env.whole_number(arg.split("=", 1)[1])
       too_many = value is not None and value > platform_env.MAX_HOST_DEVICES
       if too_many and not platform_env.has_nvidia_gpu():
-        platform_env.refuse(f"--devices: at most {platform_env.MAX_HOST_DEVICES:,} emulated "
-                            f"CPU devices, got {value:,}")
+        platform_env.refuse(
+          f"--devices: at most {platform_env.MAX_HOST_DEVICES:,} emulated "
+          f"CPU devices, got {value:,}"
+        )
       if value is not None and value > platform_env.DEFAULT_HOST_DEVICES:
         return value
   if _projects(argv):

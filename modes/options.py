@@ -33,8 +33,9 @@ class Options:
   sets: tuple[str, ...] = ()  # --set KEY=VALUE, in order
 
 
-def experiment(options: Options, mode: str, first: tuple[str, ...] = (),
-               gpus: int | None = None) -> experiments.ExperimentConfig:
+def experiment(
+  options: Options, mode: str, first: tuple[str, ...] = (), gpus: int | None = None
+) -> experiments.ExperimentConfig:
   """The experiment on `gpus` GPUs (the variant they select), then `first` and the user's
   --set overrides."""
   exp = experiments.load(options.experiment)
@@ -51,10 +52,13 @@ def experiment(options: Options, mode: str, first: tuple[str, ...] = (),
 
 
 def point_options(options: Options) -> PointOptions:
-  return PointOptions(output_dir=options.output_dir, profile_steps=options.profile_steps,
-                      checkpoint_dir=options.checkpoint_dir,
-                      checkpoint_every=options.checkpoint_every,
-                      keep_checkpoints=options.keep_checkpoints)
+  return PointOptions(
+    output_dir=options.output_dir,
+    profile_steps=options.profile_steps,
+    checkpoint_dir=options.checkpoint_dir,
+    checkpoint_every=options.checkpoint_every,
+    keep_checkpoints=options.keep_checkpoints,
+  )
 
 
 def check_paths(options: Options) -> None:
@@ -64,11 +68,13 @@ def check_paths(options: Options) -> None:
   if options.checkpoint_dir is not None and options.mode in ("train", "benchmark"):
     checkpoint_lib.check_directory(options.checkpoint_dir)
   if options.checkpoint_every < 1:
-    raise UserInputError(f"--checkpoint_every must be a positive integer, got "
-                         f"{options.checkpoint_every}")
+    raise UserInputError(
+      f"--checkpoint_every must be a positive integer, got {options.checkpoint_every}"
+    )
   if options.keep_checkpoints < 1:
-    raise UserInputError(f"--keep_checkpoints must be a positive integer, got "
-                         f"{options.keep_checkpoints}")
+    raise UserInputError(
+      f"--keep_checkpoints must be a positive integer, got {options.keep_checkpoints}"
+    )
 
 
 def projection_points(options: Options, check_plan: bool = True) -> list[tuple[str, int]]:
@@ -76,8 +82,9 @@ def projection_points(options: Options, check_plan: bool = True) -> list[tuple[s
   `check_plan`, the experiment's own layout on each)."""
   counts = []
   if not options.gpus or not options.hardware:
-    raise UserInputError(f"--{'gpus' if not options.gpus else 'hardware'}: empty; give at "
-                         f"least one, comma-separated")
+    raise UserInputError(
+      f"--{'gpus' if not options.gpus else 'hardware'}: empty; give at least one, comma-separated"
+    )
   for text in options.gpus:
     count = platform_env.whole_number(text.strip())
     if count is None or count < 1:

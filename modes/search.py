@@ -23,16 +23,23 @@ def run(options: Options) -> list[dict]:
     start = time.perf_counter()
     bars: list[tqdm.tqdm] = []  # made at the first projection: bad input prints nothing else
 
-    def step(done: int, to_do: int, candidate: search.Candidate, bars=bars, name=name,
-             gpus=gpus) -> None:
+    def step(
+      done: int, to_do: int, candidate: search.Candidate, bars=bars, name=name, gpus=gpus
+    ) -> None:
       if not bars:
         bars.append(tqdm.tqdm(total=to_do, desc=f"searching {name} x {gpus}", unit="point"))
       bars[0].update(done - bars[0].n)
       bars[0].set_postfix_str(" ".join(candidate.assignments()[:3]))
 
     try:
-      found = search.search(exp, name, gpus, options.search_budget, progress=step,
-                            on_record=lambda r: results.append(options.output_dir, r, stamp=True))
+      found = search.search(
+        exp,
+        name,
+        gpus,
+        options.search_budget,
+        progress=step,
+        on_record=lambda r: results.append(options.output_dir, r, stamp=True),
+      )
       for bar in bars:
         bar.update(bar.total - bar.n)
     finally:

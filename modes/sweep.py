@@ -13,13 +13,20 @@ def run(options: Options) -> list[dict]:
   when a point failed (a bug, not bad input: the reasons are in results.jsonl)."""
   definition = definitions.get(options.experiment)
   exp = experiment(options, definition.mode, definition.overrides)
-  records = runner.run(exp, definition, options.output_dir, jax.devices()[0].platform,
-                       lambda n: experiment(options, definition.mode, definition.overrides, n),
-                       point_options(options))
+  records = runner.run(
+    exp,
+    definition,
+    options.output_dir,
+    jax.devices()[0].platform,
+    lambda n: experiment(options, definition.mode, definition.overrides, n),
+    point_options(options),
+  )
   summary.finish(records, options.output_dir)
   failed = [r["sweep_key"] for r in records if r["status"] == "failed"]
   if failed:
-    print(f"error: {len(failed)} points failed (run again to retry them): {', '.join(failed)}",
-          file=sys.stderr)
+    print(
+      f"error: {len(failed)} points failed (run again to retry them): {', '.join(failed)}",
+      file=sys.stderr,
+    )
     sys.exit(1)
   return records

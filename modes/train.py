@@ -14,8 +14,7 @@ def run(options: Options) -> list[MeasuredPoint]:
   """Train (or time, in benchmark mode) the experiment; append and print its record
   (process 0 of a multi-process run only)."""
   exp = experiment(options, options.mode)
-  record = run_point(exp, options.mode, fit.devices(options.devices),
-                     point_options(options)).record
+  record = run_point(exp, options.mode, fit.devices(options.devices), point_options(options)).record
   if record is None or jax.process_index() != 0:
     return []
   path = results.append(options.output_dir, record)

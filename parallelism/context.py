@@ -53,8 +53,9 @@ def order(seq_len: int, context_ranks: int) -> np.ndarray:
   if context_ranks == 1:
     return np.arange(seq_len)
   chunks = np.arange(seq_len).reshape(2 * context_ranks, -1)
-  return np.concatenate([np.concatenate([chunks[r], chunks[2 * context_ranks - 1 - r]])
-                         for r in range(context_ranks)])
+  return np.concatenate(
+    [np.concatenate([chunks[r], chunks[2 * context_ranks - 1 - r]]) for r in range(context_ranks)]
+  )
 
 
 def positions(seq_len: int) -> np.ndarray:
@@ -71,9 +72,12 @@ def permuted(tokens: jax.Array) -> jax.Array:
   return tokens[:, order(tokens.shape[1], context_ranks)]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array,
-              attend: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
-              ) -> jax.Array:
+def attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  attend: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
   """Causal attention over the context ranks. q [B, T, H, K], k, v [B, T, G, K], each split
   along T over `context` in the program's token order -> [B, T, H, K], split likewise.
 
@@ -90,8 +94,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   wire = jnp.float32 if device is not None and device.platform == "cpu" else None
 
   def gathered(x):
-    return jax.lax.all_gather(x.astype(wire or x.dtype), CONTEXT, axis=1,
-                              tiled=True).astype(x.dtype)
+    return jax.lax.all_gather(x.astype(wire or x.dtype), CONTEXT, axis=1, tiled=True).astype(
+      x.dtype
+    )
 
   def local(q, k, v, q_positions):
     mask = q_positions[:, None] >= jnp.asarray(true_positions)[None, :]  # [T / CP, T]

@@ -89,13 +89,22 @@ def check_scales(schedule: str, stages: int, delayed_scaling: bool) -> None:
   """FP8 delayed scaling, pipelined, needs the 1f1b schedule: autodiff of the lockstep
   loops (parallelism/pipeline.py) would sum the micro-batches' amaxes, not keep the largest."""
   if stages > 1 and delayed_scaling and schedule != "1f1b":
-    raise UserInputError("model.fp8_amax_history > 0 (delayed scaling) needs "
-                         "train.pipeline_schedule = 1f1b when pipelined, got "
-                         f"{schedule!r}")
+    raise UserInputError(
+      "model.fp8_amax_history > 0 (delayed scaling) needs "
+      "train.pipeline_schedule = 1f1b when pipelined, got "
+      f"{schedule!r}"
+    )
 
 
-def plan(num_layers: int, stages: int, virtual_stages: int, replicas: int, micro_batches: int,
-         schedule: str, passes: int) -> Plan:
+def plan(
+  num_layers: int,
+  stages: int,
+  virtual_stages: int,
+  replicas: int,
+  micro_batches: int,
+  schedule: str,
+  passes: int,
+) -> Plan:
   """The plan of a step; bad pipeline shapes raise UserInputError naming the field.
   passes: train.pipeline_passes (0: pipeline.passes chooses)."""
   if stages == 1:
@@ -121,26 +130,32 @@ def strategy(plan: Plan, pieces: LossPieces) -> LossAndGrads:
   if plan.micro_batches == 1:
     return plain
   return lambda params, scales, batch: accumulated(
-    plain, params, scales, split(batch, plan.micro_batches))
+    plain, params, scales, split(batch, plan.micro_batches)
+  )
 
 
 def split(batch: Batch, micro_batches: int) -> Batch:
   """[B, T] -> [M, B/M, T]. Reshaped to [B/M, M, T] first, which keeps each device's rows
   on it (rows are sharded in contiguous blocks); the micro-batch index then moves to the
   front."""
-  return jax.tree.map(lambda x: x.reshape(-1, micro_batches, x.shape[-1]).swapaxes(0, 1),
-                      batch)
+  return jax.tree.map(lambda x: x.reshape(-1, micro_batches, x.shape[-1]).swapaxes(0, 1), batch)
 
 
-def accumulated(loss_and_grads: LossAndGrads, params: Params, scales: Scales,
-                micro: Batch) -> tuple[jax.Array, tuple[Params, Scales]]:
+def accumulated(
+  loss_and_grads: LossAndGrads, params: Params, scales: Scales, micro: Batch
+) -> tuple[jax.Array, tuple[Params, Scales]]:
   """Mean loss and gradients over the leading axis of micro, one entry at a time; the
   largest amaxes."""
+
   def accumulate(carry, entry):
-    (total, (total_grads, top)), (loss, (grads, amaxes)) = carry, loss_and_grads(
-      params, scales, entry)
-    return (total + loss, (jax.tree.map(jnp.add, total_grads, grads),
-                           jax.tree.map(jnp.maximum, top, amaxes))), None
+    (total, (total_grads, top)), (loss, (grads, amaxes)) = (
+      carry,
+      loss_and_grads(params, scales, entry),
+    )
+    return (
+      total + loss,
+      (jax.tree.map(jnp.add, total_grads, grads), jax.tree.map(jnp.maximum, top, amaxes)),
+    ), None
 
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (params, scales)))
   with jax.named_scope(ACCUMULATION_SCOPE):
@@ -175,8 +190,9 @@ def _over_replicas(replica: LossAndGrads, replicas: int) -> LossAndGrads:
   def loss_and_grads(params, scales, batch):
     rows = jax.tree.map(lambda x: x.reshape(replicas, -1, x.shape[-1]), batch)  # [R, B/R, T]
     with rules.vmapped(DATA_AXIS):
-      loss, (grads, amaxes) = jax.vmap(replica, in_axes=(None, None, 0),
-                                       spmd_axis_name=DATA_AXIS)(params, scales, rows)
+      loss, (grads, amaxes) = jax.vmap(replica, in_axes=(None, None, 0), spmd_axis_name=DATA_AXIS)(
+        params, scales, rows
+      )
     return mean(loss), (jax.tree.map(mean, grads), jax.tree.map(over(jax.lax.max), amaxes))
 
   return loss_and_grads
@@ -192,16 +208,18 @@ def _lockstep(plan: Plan, pieces: LossPieces) -> LossAndGrads:
 
   def pass_loss(params, scales, micro):  # micro [M', mb, T]
     x = jax.vmap(lambda tokens: pieces.embed(params, tokens))(micro["inputs"])
-    x = pipeline.run(pieces.run_layers, pieces.stack(params, scales), x, stages, virtual,
-                     _active_rows(plan))
+    x = pipeline.run(
+      pieces.run_layers, pieces.stack(params, scales), x, stages, virtual, _active_rows(plan)
+    )
     logits = jax.vmap(lambda y: pieces.head(params, y), spmd_axis_name=spread)(x)
     return pieces.loss(logits, micro["targets"])
 
   pass_grads = _loss_and_grads(pass_loss)
 
   def replica(params, scales, rows):  # rows [B/R, T]
-    micro = jax.tree.map(lambda x: x.reshape(passes, per_pass, *x.shape[1:]),
-                         split(rows, plan.micro_batches))
+    micro = jax.tree.map(
+      lambda x: x.reshape(passes, per_pass, *x.shape[1:]), split(rows, plan.micro_batches)
+    )
     if passes == 1:
       return pass_grads(params, scales, jax.tree.map(lambda x: x[0], micro))
     return accumulated(pass_grads, params, scales, micro)
@@ -252,12 +270,25 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       return loss, d_ys, d_rest
 
     loss, d_weights, amaxes, d_x, d_rest = one_f_one_b.run(
-      chunk, weights, stack_scales, constants, x, head, stages, virtual, pieces.activation_axes,
-      _active_rows(plan))
+      chunk,
+      weights,
+      stack_scales,
+      constants,
+      x,
+      head,
+      stages,
+      virtual,
+      pieces.activation_axes,
+      _active_rows(plan),
+    )
     zeros = jax.tree.map(jnp.zeros_like, (constants, stack_scales))
     grads = front_vjp((d_x, pieces.join_stack(d_weights, *zeros)))[0]
     head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
-    return loss, (jax.tree_util.tree_map_with_path(
-      lambda path, g: g + head_grads[path] if path in head_grads else g, grads), amaxes)
+    return loss, (
+      jax.tree_util.tree_map_with_path(
+        lambda path, g: g + head_grads[path] if path in head_grads else g, grads
+      ),
+      amaxes,
+    )
 
   return replica

@@ -37,7 +37,7 @@ _INNER_FIRST = ("tensor", "context", "fsdp", "data", "pipeline")
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  data: int = -1    # -1: every device the other axes leave
+  data: int = -1  # -1: every device the other axes leave
   fsdp: int = 1
   # Context parallelism: each sequence split over this many ranks (parallelism/context.py).
   context: int = 1
@@ -55,6 +55,7 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
   """Axis sizes and how each splits over NVLink (inside a node) and InfiniBand."""
+
   sizes: dict[str, int]
   nvlink: dict[str, int]
   infiniband: dict[str, int]
@@ -70,8 +71,11 @@ class MeshLayout:
     return self.devices // self.devices_per_node
 
   def describe(self) -> list[str]:
-    return [f"{axis:>8} {self.sizes[axis]:>5} = {self.nvlink[axis]} NVLink x "
-            f"{self.infiniband[axis]} InfiniBand" for axis in AXES]
+    return [
+      f"{axis:>8} {self.sizes[axis]:>5} = {self.nvlink[axis]} NVLink x "
+      f"{self.infiniband[axis]} InfiniBand"
+      for axis in AXES
+    ]
 
 
 def default_devices_per_node(num_devices: int) -> int:
@@ -94,22 +98,28 @@ def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
   fixed = math.prod(size for size in sizes.values() if size != -1)
   if free:
     if num_devices % fixed:
-      raise UserInputError(f"mesh.{free[0]}: the other axes ({fixed}) do not divide "
-                           f"the {num_devices} devices")
+      raise UserInputError(
+        f"mesh.{free[0]}: the other axes ({fixed}) do not divide the {num_devices} devices"
+      )
     sizes[free[0]] = num_devices // fixed
   if math.prod(sizes.values()) != num_devices:
-    raise UserInputError(f"mesh: data x fsdp x context x tensor x pipeline = {math.prod(sizes.values())} "
-                         f"must equal the {num_devices} devices")
+    raise UserInputError(
+      f"mesh: data x fsdp x context x tensor x pipeline = {math.prod(sizes.values())} "
+      f"must equal the {num_devices} devices"
+    )
 
   per_node = cfg.devices_per_node or default_devices_per_node(num_devices)
   if per_node < 1 or num_devices % per_node:
-    raise UserInputError(f"mesh.devices_per_node must divide the {num_devices} devices, "
-                         f"got {per_node}")
+    raise UserInputError(
+      f"mesh.devices_per_node must divide the {num_devices} devices, got {per_node}"
+    )
   domain = cfg.nvlink_domain or per_node
   if domain % sizes["tensor"] and not cfg.allow_tensor_beyond_nvlink:
-    raise UserInputError(f"mesh.tensor {sizes['tensor']} does not fit in the NVLink domain "
-                         f"of {domain} devices (it must divide it); set "
-                         f"mesh.allow_tensor_beyond_nvlink=true if that is intended")
+    raise UserInputError(
+      f"mesh.tensor {sizes['tensor']} does not fit in the NVLink domain "
+      f"of {domain} devices (it must divide it); set "
+      f"mesh.allow_tensor_beyond_nvlink=true if that is intended"
+    )
 
   nvlink, remaining = {}, per_node
   for axis in _INNER_FIRST:
@@ -138,11 +148,14 @@ def device_grid(layout: MeshLayout, devices: Sequence) -> np.ndarray:
 
 
 def build_mesh(layout: MeshLayout, devices: Sequence | None = None) -> Mesh:
-  devices = list(devices if devices is not None else jax.devices()[:layout.devices])
+  devices = list(devices if devices is not None else jax.devices()[: layout.devices])
   if jax.process_count() > 1:
     grid = mesh_utils.create_hybrid_device_mesh(
-        [layout.nvlink[a] for a in AXES], [layout.infiniband[a] for a in AXES],
-        devices, process_is_granule=True)
+      [layout.nvlink[a] for a in AXES],
+      [layout.infiniband[a] for a in AXES],
+      devices,
+      process_is_granule=True,
+    )
   else:
     grid = device_grid(layout, devices)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

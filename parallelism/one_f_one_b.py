@@ -165,16 +165,20 @@ def _from_last_rank(slots: jax.Array, activation_axes: Sequence[str | None]) -> 
   if mesh.empty:
     return slots[-1]
   spec = PartitionSpec(MESH_AXIS, None, *rules.spec(activation_axes))
-  manual = {MESH_AXIS} | rules.vmapped_axes() | {
-    a for name in activation_axes if name for a in rules.mesh_axes_of(name)}
+  manual = (
+    {MESH_AXIS}
+    | rules.vmapped_axes()
+    | {a for name in activation_axes if name for a in rules.mesh_axes_of(name)}
+  )
 
   def local(own):  # own [1, P, ...]: this rank's shard of its slots
     # Slot i of every rank to rank i: [P (source rank), ...], of which rank P-1's is kept.
     return jax.lax.all_to_all(own[0], MESH_AXIS, 0, 0, tiled=True)[-1:]
 
   out_spec = PartitionSpec(MESH_AXIS, *spec[2:])
-  return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=out_spec,
-                       axis_names=manual, check_vma=False)(slots)
+  return jax.shard_map(
+    local, mesh=mesh, in_specs=spec, out_specs=out_spec, axis_names=manual, check_vma=False
+  )(slots)
 
 
 def run(

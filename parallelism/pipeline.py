@@ -87,7 +87,11 @@ def passes(requested: int, micro_batches: int, stages: int, schedule: str = "gpi
 
 
 def check(
-  num_layers: int, stages: int, virtual_stages: int, micro_batches: int, passes: int = 1,
+  num_layers: int,
+  stages: int,
+  virtual_stages: int,
+  micro_batches: int,
+  passes: int = 1,
   schedule: str = "gpipe",
 ) -> None:
   """Bad pipeline shapes raise UserInputError naming the field."""
@@ -239,7 +243,8 @@ def run(
   def trip(carry, t):
     x, buffer = carry  # [P, b, ...], [P, M, b, ...]
     y = jax.vmap(one_rank, in_axes=(0, None, 0, 0, 0), spmd_axis_name=MESH_AXIS)(
-      chunks, t, rank, x, mask)
+      chunks, t, rank, x, mask
+    )
     y = jnp.roll(y, 1, axis=0)  # rank s's output to rank s + 1
     # Rank 0 now holds what rank P-1 finished at this trip: keep it for its next chunk
     # (or as the final output). Before rank P-1's first micro-batch it holds nothing.

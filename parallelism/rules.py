@@ -16,36 +16,36 @@ from jax.sharding import NamedSharding, PartitionSpec
 MeshAxes = str | tuple[str, ...] | None
 
 RULES: tuple[tuple[str, MeshAxes], ...] = (
-    # Parameters.
-    ("vocab", "tensor"),      # embedding rows / logits columns: Megatron's vocab-parallel split
-    ("embed", "fsdp"),        # ZeRO-3 style: every weight is split over fsdp along d_model
-    ("heads", "tensor"),      # attention heads split across tensor-parallel ranks
-    # Grouped-query attention's key/value heads: split like the query heads where there
-    # are at least as many as tensor ranks, replicated otherwise (SPLIT_WHERE_ENOUGH).
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),        # the 4x hidden width split across tensor-parallel ranks
-    ("kv", None),             # head size: never split
-    ("qkv", None),            # the q/k/v selector (k/v with grouped-query attention)
-    ("gate_up", None),        # SwiGLU's gate / up selector
-    ("position", None),       # learned position rows
-    ("layers", None),         # the scanned layer stack
-    ("stage", "pipeline"),    # the same stack when pipelined: contiguous blocks per stage
-    # Activations.
-    ("batch", ("data", "fsdp")),
-    # The sequence inside tensor-parallel regions: split over `context` only (context
-    # parallelism, parallelism/context.py; each rank's tokens in load-balanced order).
-    ("length", "context"),
-    # The sequence of the residual stream with sequence parallelism (model.sequence_parallel):
-    # LayerNorm, biases and residual adds run on 1/tensor of the tokens, and the
-    # tensor-parallel regions begin with an all-gather and end with a reduce-scatter.
-    # Context-major: a context rank's tokens are split over its tensor group, so the
-    # gathers over `tensor` rebuild that rank's `length` shard.
-    ("act_seq", ("context", "tensor")),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
+  # Parameters.
+  ("vocab", "tensor"),  # embedding rows / logits columns: Megatron's vocab-parallel split
+  ("embed", "fsdp"),  # ZeRO-3 style: every weight is split over fsdp along d_model
+  ("heads", "tensor"),  # attention heads split across tensor-parallel ranks
+  # Grouped-query attention's key/value heads: split like the query heads where there
+  # are at least as many as tensor ranks, replicated otherwise (SPLIT_WHERE_ENOUGH).
+  ("kv_heads", "tensor"),
+  ("mlp", "tensor"),  # the 4x hidden width split across tensor-parallel ranks
+  ("kv", None),  # head size: never split
+  ("qkv", None),  # the q/k/v selector (k/v with grouped-query attention)
+  ("gate_up", None),  # SwiGLU's gate / up selector
+  ("position", None),  # learned position rows
+  ("layers", None),  # the scanned layer stack
+  ("stage", "pipeline"),  # the same stack when pipelined: contiguous blocks per stage
+  # Activations.
+  ("batch", ("data", "fsdp")),
+  # The sequence inside tensor-parallel regions: split over `context` only (context
+  # parallelism, parallelism/context.py; each rank's tokens in load-balanced order).
+  ("length", "context"),
+  # The sequence of the residual stream with sequence parallelism (model.sequence_parallel):
+  # LayerNorm, biases and residual adds run on 1/tensor of the tokens, and the
+  # tensor-parallel regions begin with an all-gather and end with a reduce-scatter.
+  # Context-major: a context rank's tokens are split over its tensor group, so the
+  # gathers over `tensor` rebuild that rank's `length` shard.
+  ("act_seq", ("context", "tensor")),
+  ("act_embed", None),
+  ("act_heads", "tensor"),
+  ("act_kv_heads", "tensor"),
+  ("act_mlp", "tensor"),
+  ("act_vocab", "tensor"),
 )
 
 # Logical axes split only where the dimension has at least as many entries as the ranks of
@@ -56,14 +56,18 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
 SPLIT_WHERE_ENOUGH = frozenset({"kv_heads", "act_kv_heads"})
 
 _RULES = dict(RULES)
-_VMAPPED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("vmapped", default=frozenset())
+_VMAPPED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+  "vmapped", default=frozenset()
+)
 
 
 def spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
   """PartitionSpec for a tuple of logical axis names."""
+
   def part(name):
     axes = mesh_axes_of(name) if name else ()
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
   return PartitionSpec(*(part(name) for name in logical_axes))
 
 
@@ -76,16 +80,20 @@ def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
   return tuple(a for a in axes if a not in _VMAPPED.get())
 
 
-def resolve(logical_axes: Sequence[str | None], shape: Sequence[int],
-            mesh_shape: Mapping[str, int]) -> tuple[str | None, ...]:
+def resolve(
+  logical_axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int]
+) -> tuple[str | None, ...]:
   """logical_axes of an array of `shape`, each SPLIT_WHERE_ENOUGH axis with fewer entries
   than the ranks of its mesh axes (mesh_shape: axis -> size) replaced by None."""
+
   def keep(name, size):
     if name not in SPLIT_WHERE_ENOUGH:
       return True
     return size >= math.prod(mesh_shape[a] for a in mesh_axes_of(name))
-  return tuple(name if name is None or keep(name, size) else None
-               for name, size in zip(logical_axes, shape))
+
+  return tuple(
+    name if name is None or keep(name, size) else None for name, size in zip(logical_axes, shape)
+  )
 
 
 @contextlib.contextmanager

@@ -49,16 +49,20 @@ def _per_rank(scale: jax.Array, ranks: int) -> jax.Array:
   return jnp.broadcast_to(scale, (ranks,))
 
 
-_per_rank.defvjp(lambda scale, ranks: (_per_rank(scale, ranks), None),
-                 lambda ranks, _, cotangents: (jnp.max(cotangents),))
+_per_rank.defvjp(
+  lambda scale, ranks: (_per_rank(scale, ranks), None),
+  lambda ranks, _, cotangents: (jnp.max(cotangents),),
+)
 
 
 def _manual_only(logical_axes: Sequence[str | None], manual: frozenset[str]) -> PartitionSpec:
   """The spec of logical_axes over the shard_map's own axes (tensor, and context when the
   sequence is split over it: `act_seq` is context-major, parallelism/context.py)."""
+
   def part(name):
     axes = tuple(a for a in (rules.mesh_axes_of(name) if name else ()) if a in manual)
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
   return PartitionSpec(*(part(a) for a in logical_axes))
 
 

@@ -37,9 +37,11 @@ def _sharding(x: Any, mesh: Mesh) -> NamedSharding:
 
 def named_shardings(tree: Any, mesh: Mesh) -> Any:
   """A tree of NamedShardings shaped like `tree` (variables keep their wrappers)."""
+
   def leaf(x):
     sharding = _sharding(x, mesh)
     return x.replace(sharding) if _is_variable(x) else sharding
+
   return jax.tree.map(leaf, tree, is_leaf=_is_variable)
 
 
@@ -65,32 +67,40 @@ def over_data(tree: Any, mesh: Mesh) -> Any:
     sharding = _sharding(x, mesh)
     spec = tuple(sharding.spec) + (None,) * (len(x.shape) - len(sharding.spec))
     axes = [() if p is None else (p,) if isinstance(p, str) else tuple(p) for p in spec]
-    per_device = [size // math.prod(mesh.shape[a] for a in dim_axes)
-                  for size, dim_axes in zip(x.shape, axes)]
+    per_device = [
+      size // math.prod(mesh.shape[a] for a in dim_axes) for size, dim_axes in zip(x.shape, axes)
+    ]
     free = [d for d, size in enumerate(per_device) if size % ways == 0]
     if ways > 1 and free:
       dim = max(free, key=lambda d: per_device[d])
       axes[dim] += ("data",)
-      sharding = NamedSharding(mesh, PartitionSpec(*(a[0] if len(a) == 1 else a or None
-                                                     for a in axes)))
+      sharding = NamedSharding(
+        mesh, PartitionSpec(*(a[0] if len(a) == 1 else a or None for a in axes))
+      )
     return x.replace(sharding) if _is_variable(x) else sharding
+
   return jax.tree.map(leaf, tree, is_leaf=_is_variable)
 
 
 # The configuration field behind each logical parameter axis, for error messages.
-_FIELD_OF_AXIS = {"heads": "model.num_heads", "embed": "model.d_model",
-                  "kv_heads": "model.num_kv_heads",
-                  "mlp": "MLP width (model.ffn_dim, or 4 x model.d_model)",
-                  "vocab": "padded model.vocab_size",
-                  "kv": "model.head_dim", "layers": "model.num_layers",
-                  "stage": "model.num_layers",
-                  "position": "model.seq_len"}
+_FIELD_OF_AXIS = {
+  "heads": "model.num_heads",
+  "embed": "model.d_model",
+  "kv_heads": "model.num_kv_heads",
+  "mlp": "MLP width (model.ffn_dim, or 4 x model.d_model)",
+  "vocab": "padded model.vocab_size",
+  "kv": "model.head_dim",
+  "layers": "model.num_layers",
+  "stage": "model.num_layers",
+  "position": "model.seq_len",
+}
 
 
 def check_divisible(tree: Any, mesh: Mesh) -> None:
   """Every sharded parameter dimension must split evenly over its mesh axes; one that is
   replicated for want of entries (rules.SPLIT_WHERE_ENOUGH) must divide their ranks
   (each K/V head then serves the query heads of a whole number of ranks)."""
+
   def check(x):
     for size, name in zip(x.shape, _axes(x) or ()):
       mesh_axes = rules.mesh_axes_of(name) if name else ()
@@ -98,14 +108,17 @@ def check_divisible(tree: Any, mesh: Mesh) -> None:
       if name in rules.SPLIT_WHERE_ENOUGH and size < ways:
         if ways % size:
           raise UserInputError(
-              f"{_FIELD_OF_AXIS.get(name, name)} = {size} over mesh {' x '.join(mesh_axes)} = "
-              f"{ways}: the ranks must divide the K/V heads (split) or be a multiple of "
-              "them (replicated)")
+            f"{_FIELD_OF_AXIS.get(name, name)} = {size} over mesh {' x '.join(mesh_axes)} = "
+            f"{ways}: the ranks must divide the K/V heads (split) or be a multiple of "
+            "them (replicated)"
+          )
         continue
       if size % ways:
         raise UserInputError(
-            f"{_FIELD_OF_AXIS.get(name, name)} = {size} does not divide over mesh "
-            f"{' x '.join(mesh_axes)} = {ways}")
+          f"{_FIELD_OF_AXIS.get(name, name)} = {size} does not divide over mesh "
+          f"{' x '.join(mesh_axes)} = {ways}"
+        )
+
   jax.tree.map(check, tree, is_leaf=_is_variable)
 
 

@@ -78,8 +78,11 @@ def append(output_dir: str, record, stamp: bool = False) -> str:
   path = os.path.join(output_dir, FILE)
   line = json.dumps(data) + "\n"
   if _ends_mid_line(path):
-    print(f"warning: {path} ended in a partial line (a writer was killed?); it is kept "
-          f"as it is and the new record starts on the next line", file=sys.stderr)
+    print(
+      f"warning: {path} ended in a partial line (a writer was killed?); it is kept "
+      f"as it is and the new record starts on the next line",
+      file=sys.stderr,
+    )
     line = "\n" + line
   with open(path, "a") as f:
     f.write(line)
@@ -102,8 +105,10 @@ def read(output_dir: str) -> list[dict]:
       except ValueError:  # JSONDecodeError and UnicodeDecodeError
         record = None
       if not isinstance(record, dict):
-        print(f"warning: {path} line {number} is not a JSON object (a partial write?); "
-              f"skipped", file=sys.stderr)
+        print(
+          f"warning: {path} line {number} is not a JSON object (a partial write?); skipped",
+          file=sys.stderr,
+        )
         continue
       records.append(points.upgrade(record))
   return records

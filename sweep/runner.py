@@ -85,8 +85,9 @@ def _measure(exp, devices: int, options: PointOptions) -> dict:
   """A benchmark-mode measured point on the first `devices` local devices."""
   measured = run_point(exp, "benchmark", fit.devices(devices), options).record
   if measured is None:  # only when --checkpoint_dir already holds the run's last step
-    raise RuntimeError(f"no steps left to time: the checkpoint in {options.checkpoint_dir} "
-                       f"is at the run's last step")
+    raise RuntimeError(
+      f"no steps left to time: the checkpoint in {options.checkpoint_dir} is at the run's last step"
+    )
   return dict(to_json(measured))
 
 
@@ -145,7 +146,8 @@ def run(
   done = {
     r["sweep_key"]: r
     for r in results.read(output_dir)
-    if isinstance(r.get("sweep_key"), str) and r["sweep_key"] in keyed
+    if isinstance(r.get("sweep_key"), str)
+    and r["sweep_key"] in keyed
     and r.get("status") not in ("failed", None)
   }
   todo = [k for k in keyed if k not in done]

@@ -37,13 +37,25 @@ def toy_experiment():
   from parallelism.mesh import MeshConfig  # noqa: PLC0415
   from train.config import TrainConfig  # noqa: PLC0415
 
-  def make(name: str = "toy", mesh: MeshConfig | None = None, train: TrainConfig | None = None,
-           **model) -> experiments.ExperimentConfig:
-    fields = dict(name=name, num_layers=4, d_model=128, num_heads=2, head_dim=64, seq_len=128,
-                  vocab_size=256, compute_dtype="bfloat16")
+  def make(
+    name: str = "toy", mesh: MeshConfig | None = None, train: TrainConfig | None = None, **model
+  ) -> experiments.ExperimentConfig:
+    fields = dict(
+      name=name,
+      num_layers=4,
+      d_model=128,
+      num_heads=2,
+      head_dim=64,
+      seq_len=128,
+      vocab_size=256,
+      compute_dtype="bfloat16",
+    )
     return experiments.ExperimentConfig(
-        name=name, description=f"{name}: the tests' toy experiment",
-        model=ModelConfig(**{**fields, **model}), mesh=mesh or MeshConfig(data=-1),
-        train=train or TrainConfig(global_batch=16))
+      name=name,
+      description=f"{name}: the tests' toy experiment",
+      model=ModelConfig(**{**fields, **model}),
+      mesh=mesh or MeshConfig(data=-1),
+      train=train or TrainConfig(global_batch=16),
+    )
 
   return make

@@ -17,8 +17,11 @@ from reference import mlperf_gpt3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NVIDIA Eos's runs: v3.1 on 10,752 H100, v4.1 on 512 H100.
-PUBLISHED_MIN = {gpus: minutes for system, hardware, gpus, minutes in mlperf_gpt3.RESULTS
-                 if system.endswith("NVIDIA Eos") and hardware == "h100"}
+PUBLISHED_MIN = {
+  gpus: minutes
+  for system, hardware, gpus, minutes in mlperf_gpt3.RESULTS
+  if system.endswith("NVIDIA Eos") and hardware == "h100"
+}
 CLAIMED_ERROR = 0.15
 
 
@@ -29,9 +32,21 @@ def test_both_calibration_points_project_within_15_percent_of_the_published_time
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   gpus = ",".join(str(g) for g in sorted(PUBLISHED_MIN))
   out = subprocess.run(
-    [sys.executable, "launch.py", "--mode=project", "--experiment=mlperf_gpt3_175b",
-     "--hardware=h100", f"--gpus={gpus}", f"--output_dir={tmp_path}"],
-    cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    [
+      sys.executable,
+      "launch.py",
+      "--mode=project",
+      "--experiment=mlperf_gpt3_175b",
+      "--hardware=h100",
+      f"--gpus={gpus}",
+      f"--output_dir={tmp_path}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=1200,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   with open(tmp_path / "results.jsonl") as f:
     records = {r["devices"]: r for r in map(json.loads, f)}

@@ -37,9 +37,17 @@ TOTAL = 6  # steps, no warm-up: checkpoints 1 .. 6 with a save every step
 
 @pytest.fixture(scope="module")
 def exp():
-  return overrides.apply(experiments.load("tiny"), [
-    "model.num_layers=1", "train.task=learnable", f"train.steps={TOTAL}",
-    "train.warmup_steps=0", "mesh.fsdp=1", "mesh.tensor=1"])
+  return overrides.apply(
+    experiments.load("tiny"),
+    [
+      "model.num_layers=1",
+      "train.task=learnable",
+      f"train.steps={TOTAL}",
+      "train.warmup_steps=0",
+      "mesh.fsdp=1",
+      "mesh.tensor=1",
+    ],
+  )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +70,10 @@ def _steps(directory: str) -> list[int]:
 
 
 def _bitwise_equal(a, b) -> bool:
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  return all(
+    np.array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
 
 
 def _files(step_dir: str) -> list[str]:
@@ -84,7 +94,7 @@ def _as_temporary(reference_dir: str, step: int, directory: str, keep_fraction: 
   os.remove(os.path.join(tmp, "commit_success.txt"))
   os.rename(os.path.join(tmp, "state"), os.path.join(tmp, f"state{TMP_SUFFIX}"))
   data = [f for f in _files(tmp) if "_CHECKPOINT_METADATA" not in f]
-  for path in data[int(len(data) * keep_fraction):]:
+  for path in data[int(len(data) * keep_fraction) :]:
     os.remove(path)
 
 
@@ -115,9 +125,11 @@ def _crash_rotating(reference_dir: str, directory: str) -> None:
     os.remove(path)
 
 
-@pytest.mark.parametrize("crash", [_crash_writing, _crash_finalizing, _crash_renaming,
-                                   _crash_rotating],
-                         ids=["writing", "finalizing", "renaming", "rotating"])
+@pytest.mark.parametrize(
+  "crash",
+  [_crash_writing, _crash_finalizing, _crash_renaming, _crash_rotating],
+  ids=["writing", "finalizing", "renaming", "rotating"],
+)
 def test_resume_after_a_crash_in_each_phase_of_a_save(crash, exp, program, reference, tmp_path):
   reference_dir, final_state = reference
   directory = str(tmp_path)
@@ -166,10 +178,14 @@ class _Poisoned:
         def step(state, batch):
           state, metrics = compiled(state, batch)
           if int(state.step) == at + 1:
-            state = state._replace(opt_state=jax.tree.map(
-              lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x,
-              state.opt_state))
+            state = state._replace(
+              opt_state=jax.tree.map(
+                lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x,
+                state.opt_state,
+              )
+            )
           return state, metrics
+
         return step
 
     return Lowered()
@@ -196,8 +212,13 @@ def test_a_non_finite_checkpoint_is_refused_on_restore(exp, program, tmp_path):
   bad = state._replace(params=jax.tree.map(lambda x: x * np.inf, state.params))
   with pytest.raises(checkpoint.NonFiniteState):
     ckpt.save(1, bad, _NoBatches(), force=True)
-  ckpt._manager.save(1, args=checkpoint.ocp.args.Composite(  # pylint: disable=protected-access
-    state=checkpoint.ocp.args.StandardSave(bad)), force=True)
+  ckpt._manager.save(
+    1,
+    args=checkpoint.ocp.args.Composite(  # pylint: disable=protected-access
+      state=checkpoint.ocp.args.StandardSave(bad)
+    ),
+    force=True,
+  )
   ckpt.close()
   reopened = Checkpoints(directory, 1, 3)
   try:

@@ -27,13 +27,21 @@ from train.config import TrainConfig
 # The Llama's rotary base is small and unscaled so that positions turn its queries and
 # keys visibly over 16 tokens (Llama 3's 500,000 and factor 8 barely turn them at T = 16,
 # and a step with positions by index would pass for one with true positions).
-LLAMA = dataclasses.replace(preset("llama3-tiny"), d_model=32, head_dim=8, ffn_dim=64,
-                            seq_len=16, vocab_size=128, compute_dtype="float32",
-                            rope_theta=100.0, rope_scale_factor=1.0)
-GPT = ModelConfig(num_layers=2, d_model=32, num_heads=4, head_dim=8, seq_len=16,
-                  vocab_size=128)
-TRAIN = TrainConfig(global_batch=8, steps=2, warmup_steps=0, task="learnable",
-                    learning_rate=1e-2, lr_warmup_steps=1)
+LLAMA = dataclasses.replace(
+  preset("llama3-tiny"),
+  d_model=32,
+  head_dim=8,
+  ffn_dim=64,
+  seq_len=16,
+  vocab_size=128,
+  compute_dtype="float32",
+  rope_theta=100.0,
+  rope_scale_factor=1.0,
+)
+GPT = ModelConfig(num_layers=2, d_model=32, num_heads=4, head_dim=8, seq_len=16, vocab_size=128)
+TRAIN = TrainConfig(
+  global_batch=8, steps=2, warmup_steps=0, task="learnable", learning_rate=1e-2, lr_warmup_steps=1
+)
 # float32 throughout; the sharded step sums in another order than one device (the
 # softmax over keys in gathered order, the loss over permuted tokens, weight gradients
 # over context ranks: a relative 1e-7 per sum of at most a few hundred terms), and two
@@ -44,11 +52,13 @@ RTOL, ATOL = 2e-4, 2e-5
 
 
 def _program(model: ModelConfig, mesh_cfg: MeshConfig):
-  devices = math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.context, mesh_cfg.tensor,
-                       mesh_cfg.pipeline))
+  devices = math.prod(
+    (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.context, mesh_cfg.tensor, mesh_cfg.pipeline)
+  )
   mesh_cfg = dataclasses.replace(mesh_cfg, devices_per_node=devices)  # one node
-  return train_step.build(model, TRAIN, build_mesh(plan(mesh_cfg, devices),
-                                                   jax.devices()[:devices]))
+  return train_step.build(
+    model, TRAIN, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
+  )
 
 
 def _train(program, model: ModelConfig, steps: int = 2):
@@ -56,8 +66,9 @@ def _train(program, model: ModelConfig, steps: int = 2):
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
   state, losses = program.init(), []
   for i in range(steps):
-    batch = data.batch(TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len,
-                       model.vocab_size)
+    batch = data.batch(
+      TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len, model.vocab_size
+    )
     state, metrics = compiled(state, jax.device_put(batch, program.batch_sharding))
     losses.append(float(metrics["loss"]))
   return losses, jax.tree.map(np.asarray, state.params), compiled.as_text()
@@ -89,8 +100,7 @@ def _collectives_over(text: str, kind: str, groups: set, num_partitions: int) ->
     for ins in comp.instrs:
       if ins.opcode not in (kind, f"{kind}-start"):
         continue
-      parsed = hlo_text.parse_replica_groups(ins.attrs.get("replica_groups", "{}"),
-                                             num_partitions)
+      parsed = hlo_text.parse_replica_groups(ins.attrs.get("replica_groups", "{}"), num_partitions)
       if {tuple(g) for g in parsed} == groups:
         found.append(ins.shape)
   return found
@@ -105,14 +115,22 @@ def test_each_rank_holds_chunk_i_and_chunk_2cp_minus_1_minus_i():
   np.testing.assert_array_equal(context.order(8, 1), np.arange(8))
 
 
-@pytest.mark.parametrize("model, mesh_cfg, sequence_parallel", [
-  (LLAMA, MeshConfig(data=1, context=2), False),
-  (LLAMA, MeshConfig(data=1, context=2, tensor=2), True),
-  (LLAMA, MeshConfig(data=2, context=2), False),
-  # GPT: learned positions and a fused QKV kernel, with FSDP under tensor + SP.
-  (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
-], ids=["llama-context2", "llama-context2-tensor2-sp", "llama-context2-data2",
-        "gpt-context2-fsdp2-tensor2-sp"])
+@pytest.mark.parametrize(
+  "model, mesh_cfg, sequence_parallel",
+  [
+    (LLAMA, MeshConfig(data=1, context=2), False),
+    (LLAMA, MeshConfig(data=1, context=2, tensor=2), True),
+    (LLAMA, MeshConfig(data=2, context=2), False),
+    # GPT: learned positions and a fused QKV kernel, with FSDP under tensor + SP.
+    (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
+  ],
+  ids=[
+    "llama-context2",
+    "llama-context2-tensor2-sp",
+    "llama-context2-data2",
+    "gpt-context2-fsdp2-tensor2-sp",
+  ],
+)
 def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_parallel):
   program = _program(dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg)
   losses, params, text = _train(program, model)
@@ -137,19 +155,36 @@ def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_para
   assert re.search(rf"f32\[\d+,{local},{D}\]", text)
 
 
-@pytest.mark.parametrize("model, mesh_cfg, message", [
-  (dataclasses.replace(LLAMA, seq_len=12), MeshConfig(data=1, context=4),
-   "model.seq_len = 12 does not split into 2 x mesh.context = 8 equal chunks"),
-  (dataclasses.replace(LLAMA, seq_len=12, sequence_parallel=True),
-   MeshConfig(data=1, context=2, tensor=4),
-   "a context rank's 6 tokens do not divide over mesh.tensor = 4"),
-  (dataclasses.replace(GPT, attention="cudnn"), MeshConfig(data=1, context=2),
-   "model.attention = 'cudnn' cannot run with mesh.context = 2"),
-  (dataclasses.replace(LLAMA, fp8=True), MeshConfig(data=1, context=2),
-   "model.fp8 with mesh.context = 2 is not supported"),
-  (dataclasses.replace(LLAMA, num_layers=2), MeshConfig(data=1, context=2, pipeline=2),
-   "mesh.pipeline = 2 with mesh.context = 2 is not supported"),
-])
+@pytest.mark.parametrize(
+  "model, mesh_cfg, message",
+  [
+    (
+      dataclasses.replace(LLAMA, seq_len=12),
+      MeshConfig(data=1, context=4),
+      "model.seq_len = 12 does not split into 2 x mesh.context = 8 equal chunks",
+    ),
+    (
+      dataclasses.replace(LLAMA, seq_len=12, sequence_parallel=True),
+      MeshConfig(data=1, context=2, tensor=4),
+      "a context rank's 6 tokens do not divide over mesh.tensor = 4",
+    ),
+    (
+      dataclasses.replace(GPT, attention="cudnn"),
+      MeshConfig(data=1, context=2),
+      "model.attention = 'cudnn' cannot run with mesh.context = 2",
+    ),
+    (
+      dataclasses.replace(LLAMA, fp8=True),
+      MeshConfig(data=1, context=2),
+      "model.fp8 with mesh.context = 2 is not supported",
+    ),
+    (
+      dataclasses.replace(LLAMA, num_layers=2),
+      MeshConfig(data=1, context=2, pipeline=2),
+      "mesh.pipeline = 2 with mesh.context = 2 is not supported",
+    ),
+  ],
+)
 def test_bad_context_parallel_settings_are_refused(model, mesh_cfg, message):
   with pytest.raises(UserInputError, match=re.escape(message)) as raised:
     _program(model, mesh_cfg)

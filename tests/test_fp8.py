@@ -20,11 +20,19 @@ from train import step as train_step
 from train.config import TrainConfig
 
 MODEL = ModelConfig(
-  num_layers=4, d_model=32, num_heads=4, head_dim=8, seq_len=16, vocab_size=128,
-  remat="elementwise", fp8=True, fp8_amax_history=4,
+  num_layers=4,
+  d_model=32,
+  num_heads=4,
+  head_dim=8,
+  seq_len=16,
+  vocab_size=128,
+  remat="elementwise",
+  fp8=True,
+  fp8_amax_history=4,
 )
-TRAIN = TrainConfig(global_batch=8, steps=2, warmup_steps=0, task="learnable",
-                    learning_rate=1e-2, lr_warmup_steps=1)
+TRAIN = TrainConfig(
+  global_batch=8, steps=2, warmup_steps=0, task="learnable", learning_rate=1e-2, lr_warmup_steps=1
+)
 BATCH = data.batch("learnable", 0, 0, TRAIN.global_batch, MODEL.seq_len, MODEL.vocab_size)
 
 
@@ -73,9 +81,17 @@ def test_sequence_parallel_matmul_observes_the_amax_of_every_shard(entry):
   def scale_cotangents(x, g):
     def product(x, x_scale, g_scale):
       stack = fp8.cast_weights(w[None], (x_scale[None], g_scale[None]))  # one layer
-      return sequence.matmul(fp8.einsum, "btd,df->btf", x, jax.tree.map(lambda a: a[0], stack),
-                             x_axes, ("embed", "mlp"), ("batch", "length", "act_mlp"),
-                             tensor_in_fn=True)
+      return sequence.matmul(
+        fp8.einsum,
+        "btd,df->btf",
+        x,
+        jax.tree.map(lambda a: a[0], stack),
+        x_axes,
+        ("embed", "mlp"),
+        ("batch", "length", "act_mlp"),
+        tensor_in_fn=True,
+      )
+
     _, vjp = jax.vjp(product, x, jnp.float32(0.01), jnp.float32(1e-8))
     return vjp(g)[1:]
 
@@ -84,7 +100,8 @@ def test_sequence_parallel_matmul_observes_the_amax_of_every_shard(entry):
     whole = jax.jit(scale_cotangents)(x, g)
     with rules.vmapped("data"):
       replicas = jax.jit(jax.vmap(scale_cotangents, spmd_axis_name="data"))(
-        x.reshape(2, 2, *x.shape[1:]), g.reshape(2, 2, *g.shape[1:]))
+        x.reshape(2, 2, *x.shape[1:]), g.reshape(2, 2, *g.shape[1:])
+      )
   amax = lambda a: np.abs(np.asarray(a)).reshape(2, -1).max(axis=1)  # per half of the batch
   np.testing.assert_allclose(whole, (amax(x).max(), amax(g).max()), rtol=1e-6)
   np.testing.assert_allclose(replicas, (amax(x), amax(g)), rtol=1e-6)
@@ -99,7 +116,8 @@ def test_delayed_scaling_trains_like_bf16_once_its_history_fills():
 
   def loss(p, scales, cfg):
     logits = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0)))), p)(
-      BATCH["inputs"], scales)
+      BATCH["inputs"], scales
+    )
     return train_step.cross_entropy(logits, BATCH["targets"])
 
   @jax.jit
@@ -139,13 +157,15 @@ FLIP_RTOL = 0.05
 LOSS_RTOL = 1e-3
 
 
-def _first_steps(mesh_cfg: MeshConfig, devices: int, train: TrainConfig, model: ModelConfig,
-                 batch: dict = BATCH):
+def _first_steps(
+  mesh_cfg: MeshConfig, devices: int, train: TrainConfig, model: ModelConfig, batch: dict = BATCH
+):
   """Two steps on `batch`: their losses, each kernel's amaxes [L, 2] (model order) recorded
   by the first, and the fc1 kernels' change over both [L, D, F] (stage order; the first
   step's learning rate is 0, warm-up)."""
-  program = train_step.build(model, train, build_mesh(plan(mesh_cfg, devices),
-                                                      jax.devices()[:devices]))
+  program = train_step.build(
+    model, train, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
+  )
   # Compiled as the train loop does, under the mesh: traced outside it, sequence
   # parallelism's shard_map (and its amax reductions) would not be in the program.
   step = program.lower(*batch["inputs"].shape).compile()
@@ -160,8 +180,10 @@ def _first_steps(mesh_cfg: MeshConfig, devices: int, train: TrainConfig, model: 
       np.testing.assert_array_equal(shard, np.asarray(history[...])[start])
   newest = {name: np.asarray(h[...])[..., 0] for name, h in state.fp8_history.items()}
   if mesh_cfg.pipeline > 1:
-    newest = {name: np.asarray(pipeline.model_order(h, mesh_cfg.pipeline, train.virtual_stages))
-              for name, h in newest.items()}
+    newest = {
+      name: np.asarray(pipeline.model_order(h, mesh_cfg.pipeline, train.virtual_stages))
+      for name, h in newest.items()
+    }
   state, second = step(state, batch)
   change = np.asarray(state.params["layers"]["fc1_kernel"][...]) - fc1
   return [float(first["loss"]), float(second["loss"])], newest, change
@@ -174,9 +196,16 @@ def _largest_over_parts(parts: int, model: ModelConfig) -> dict:
   the reference is run at the slice size rather than scaled from the whole batch."""
   rows = TRAIN.global_batch // parts
   train = dataclasses.replace(TRAIN, global_batch=rows)
-  runs = [_first_steps(MeshConfig(data=1), 1, train, model,
-                       jax.tree.map(lambda a: a[i * rows:(i + 1) * rows], BATCH))[1]
-          for i in range(parts)]
+  runs = [
+    _first_steps(
+      MeshConfig(data=1),
+      1,
+      train,
+      model,
+      jax.tree.map(lambda a: a[i * rows : (i + 1) * rows], BATCH),
+    )[1]
+    for i in range(parts)
+  ]
   return {name: np.max([run[name] for run in runs], axis=0) for name in KERNELS}
 
 
@@ -184,8 +213,7 @@ def _assert_same_amaxes(got: dict, want: dict):
   for name in KERNELS:
     np.testing.assert_allclose(got[name], want[name], rtol=FLIP_RTOL, err_msg=name)
   # The first layer's input is cast before any FP8 rounding can differ.
-  np.testing.assert_allclose(got["qkv_kernel"][0, 0], want["qkv_kernel"][0, 0],
-                             rtol=REDUCTION_RTOL)
+  np.testing.assert_allclose(got["qkv_kernel"][0, 0], want["qkv_kernel"][0, 0], rtol=REDUCTION_RTOL)
 
 
 def test_one_f_one_b_records_the_largest_amax_over_micro_batches_replicas_and_shards():
@@ -196,8 +224,7 @@ def test_one_f_one_b_records_the_largest_amax_over_micro_batches_replicas_and_sh
   # ranks, or recording an idle trip's, would be off by up to 4x (or give another layer's).
   model = dataclasses.replace(MODEL, sequence_parallel=True)
   losses_1, _, _ = _first_steps(MeshConfig(data=1), 1, TRAIN, model)
-  train = dataclasses.replace(TRAIN, pipeline_schedule="1f1b", virtual_stages=2,
-                              micro_batch=1)
+  train = dataclasses.replace(TRAIN, pipeline_schedule="1f1b", virtual_stages=2, micro_batch=1)
   mesh = MeshConfig(data=2, tensor=2, pipeline=2)
   losses_8, eight, change = _first_steps(mesh, 8, train, model)
   np.testing.assert_allclose(losses_8, losses_1, rtol=LOSS_RTOL)
@@ -205,7 +232,8 @@ def test_one_f_one_b_records_the_largest_amax_over_micro_batches_replicas_and_sh
   # The moments split over data, and with them the FP8 kernels, whose casts each step
   # gathers: the same training, the update made in shards.
   split_losses, _, split_change = _first_steps(
-    mesh, 8, dataclasses.replace(train, shard_optimizer=True), model)
+    mesh, 8, dataclasses.replace(train, shard_optimizer=True), model
+  )
   np.testing.assert_allclose(split_losses, losses_8, rtol=LOSS_RTOL)
   assert np.abs(change).max() > 1e-3
   # Compared as a whole: a flipped FP8 rounding (see FLIP_RTOL) moves one row of one
@@ -227,8 +255,9 @@ def test_tensor_parallel_step_records_the_amax_of_every_shard():
 def test_accumulated_micro_batches_record_their_largest_amax():
   # Four micro-batches accumulated on one device: each is differentiated for its own mean
   # loss, and the largest of their amaxes is recorded (a sum would be up to 4x).
-  _, micro, _ = _first_steps(MeshConfig(data=1), 1, dataclasses.replace(TRAIN, micro_batch=2),
-                             MODEL)
+  _, micro, _ = _first_steps(
+    MeshConfig(data=1), 1, dataclasses.replace(TRAIN, micro_batch=2), MODEL
+  )
   _assert_same_amaxes(micro, _largest_over_parts(4, MODEL))
 
 

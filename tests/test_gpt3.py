@@ -44,8 +44,9 @@ def test_175b_step_compiles_on_a_64_device_mesh():
       print("flops_positive", compiled.cost_analysis()["flops"] > 0)
   """)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   values = dict(line.split() for line in out.stdout.splitlines())
   assert values["tensor_nvlink"] == "8"

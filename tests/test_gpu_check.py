@@ -55,7 +55,8 @@ def test_dry_run_measures_and_projects_every_configuration(dry_run):
 def test_dry_run_writes_the_tables_and_the_trace(dry_run):
   _, out, records = dry_run
   assert sorted(os.listdir(out)) == sorted(
-    [gpu_check.JSONL, gpu_check.MARKDOWN, gpu_check.TRACE_FILE, gpu_check.HLO_FILE])
+    [gpu_check.JSONL, gpu_check.MARKDOWN, gpu_check.TRACE_FILE, gpu_check.HLO_FILE]
+  )
   markdown = (out / gpu_check.MARKDOWN).read_text()
   for name in gpu_check.CONFIG_NAMES:
     assert sum(line.startswith(f"| {name} |") for line in markdown.splitlines()) == 1
@@ -108,8 +109,14 @@ def test_a_failed_configuration_is_tried_again_with_its_fallback(tmp_path, monke
     return measure(exp, device, hooks)
 
   monkeypatch.setattr(gpu_check, "measure", fail_first)
-  argv = ["--dry_run", f"--output_dir={tmp_path}", "--hardware=h200", "--only=compute",
-          "--trace=none", *STEPS]
+  argv = [
+    "--dry_run",
+    f"--output_dir={tmp_path}",
+    "--hardware=h200",
+    "--only=compute",
+    "--trace=none",
+    *STEPS,
+  ]
   assert gpu_check.cli(argv) == 0
   (record,) = [json.loads(line) for line in (tmp_path / gpu_check.JSONL).read_text().splitlines()]
   assert len(calls) == 2

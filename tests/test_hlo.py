@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from projection import hlo, hlo_text
 
@@ -35,8 +36,9 @@ def test_matmul_dot_flops_are_exact():
 
 
 def test_batched_dot_counts_batch_dims():
-  compiled = _compile(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b),
-                      jnp.ones((3, 8, 5)), jnp.ones((3, 5, 7)))
+  compiled = _compile(
+    lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b), jnp.ones((3, 8, 5)), jnp.ones((3, 5, 7))
+  )
   assert hlo.dot_flops(hlo.analyze(compiled.as_text())) == 2 * 3 * 8 * 7 * 5
 
 
@@ -50,7 +52,7 @@ def test_scan_counts_every_trip_unlike_xla_cost_analysis():
   compiled = _compile(_scan, x, ws)
   program = hlo.analyze(compiled.as_text())
   loops = [n for n in program.entry if isinstance(n, hlo.Loop)]
-  assert [(l.trip_count, l.trip_count_source) for l in loops] == [(7, "backend_config")]
+  assert [(loop.trip_count, loop.trip_count_source) for loop in loops] == [(7, "backend_config")]
   assert hlo.dot_flops(program) == 7 * one
   # XLA's own analysis counts the loop body once.
   assert compiled.cost_analysis()["flops"] < 2 * one
@@ -65,7 +67,7 @@ def test_trip_count_falls_back_to_the_condition():
   text = _compile(_scan, jnp.ones((8, 16)), jnp.ones((7, 16, 16))).as_text()
   text = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
   loops = [n for n in hlo.analyze(text).entry if isinstance(n, hlo.Loop)]
-  assert [(l.trip_count, l.trip_count_source) for l in loops] == [(7, "condition")]
+  assert [(loop.trip_count, loop.trip_count_source) for loop in loops] == [(7, "condition")]
 
 
 HANDWRITTEN = """HloModule loop, is_scheduled=true, num_partitions=1
@@ -109,14 +111,15 @@ def test_nested_loops_multiply():
   def f(x, w):
     inner = lambda c, _: (jax.lax.fori_loop(0, 3, lambda i, y: y @ w, c), None)
     return jax.lax.scan(inner, x, None, length=4)[0]
+
   program = hlo.analyze(_compile(f, jnp.ones((16, 16)), jnp.ones((16, 16))).as_text())
-  assert hlo.dot_flops(program) == 12 * 2 * 16 ** 3
+  assert hlo.dot_flops(program) == 12 * 2 * 16**3
 
 
 def test_conditional_takes_the_costlier_branch():
   f = lambda p, x, w: jax.lax.cond(p, lambda: x @ w, lambda: x + 1.0)
   program = hlo.analyze(_compile(f, True, jnp.ones((32, 32)), jnp.ones((32, 32))).as_text())
-  assert hlo.dot_flops(program) == 2 * 32 ** 3
+  assert hlo.dot_flops(program) == 2 * 32**3
 
 
 def test_elementwise_and_transcendental_count_one_flop_per_element():
@@ -145,12 +148,14 @@ def test_shard_map_collectives_kinds_bytes_and_groups():
   mesh = _mesh((2, 2, 2), ("x", "y", "z"))
 
   def body(a):
-    return (jax.lax.psum(a, ("x", "z")).sum() + jax.lax.all_gather(a, "z", tiled=True).sum()
-            + jax.lax.psum_scatter(a, "x", tiled=True).sum()
-            + jax.lax.ppermute(a, "y", [(0, 1), (1, 0)]).sum())
+    return (
+      jax.lax.psum(a, ("x", "z")).sum()
+      + jax.lax.all_gather(a, "z", tiled=True).sum()
+      + jax.lax.psum_scatter(a, "x", tiled=True).sum()
+      + jax.lax.ppermute(a, "y", [(0, 1), (1, 0)]).sum()
+    )
 
-  f = jax.shard_map(body, mesh=mesh, in_specs=P(("x", "y", "z")), out_specs=P(),
-                    check_vma=False)
+  f = jax.shard_map(body, mesh=mesh, in_specs=P(("x", "y", "z")), out_specs=P(), check_vma=False)
   program = hlo.analyze(_compile(f, jax.ShapeDtypeStruct((64, 16), jnp.float32)).as_text())
   shard = 8 * 16 * 4  # each device holds 8 of the 64 rows
   positions = np.arange(8).reshape(2, 2, 2)
@@ -164,8 +169,12 @@ def test_shard_map_collectives_kinds_bytes_and_groups():
   assert set(rs.groups) == {tuple(positions[:, y, z]) for y in range(2) for z in range(2)}
   assert rs.bytes == shard  # input bytes
   (cp,) = _collectives(program, "collective-permute")
-  expected = {(int(positions[x, s, z]), int(positions[x, 1 - s, z]))
-              for x in range(2) for z in range(2) for s in range(2)}
+  expected = {
+    (int(positions[x, s, z]), int(positions[x, 1 - s, z]))
+    for x in range(2)
+    for z in range(2)
+    for s in range(2)
+  }
   assert set(cp.pairs) == expected and cp.bytes == shard and not cp.groups
 
 
@@ -173,14 +182,21 @@ def test_a_combined_all_reduce_counts_its_operands():
   # XLA combines independent all-reduces into one of several operands (a step's
   # gradients); its bytes are all of theirs.
   mesh = _mesh((8,), ("x",))
-  f = jax.shard_map(lambda a, b, c: jax.lax.psum((a, b, c), "x"), mesh=mesh,
-                    in_specs=P("x"), out_specs=P("x"), check_vma=False)
+  f = jax.shard_map(
+    lambda a, b, c: jax.lax.psum((a, b, c), "x"),
+    mesh=mesh,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    check_vma=False,
+  )
   x = jax.ShapeDtypeStruct((64,), jnp.float32)
   (ar,) = _collectives(hlo.analyze(_compile(f, x, x, x).as_text()), "all-reduce")
   assert ar.operands == 3 and ar.bytes == 3 * 8 * 4
 
 
-@pytest.mark.parametrize("text, groups", [
+@pytest.mark.parametrize(
+  "text, groups",
+  [
     ("{{0,1},{2,3}}", ((0, 1), (2, 3))),
     ("{}", ((0, 1, 2, 3),)),
     ("[4,2]<=[8]", ((0, 1), (2, 3), (4, 5), (6, 7))),
@@ -190,13 +206,16 @@ def test_a_combined_all_reduce_counts_its_operands():
     ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
     ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
     # device_ids iota [2,4]T(1,0) lists 0,4,1,5,2,6,3,7 in mesh order.
-    ("mesh['axis_0'=1,'axis_1'=1,'axis_2'=4,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_2'}",
-     ((0, 1, 2, 3), (4, 5, 6, 7))),
+    (
+      "mesh['axis_0'=1,'axis_1'=1,'axis_2'=4,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_2'}",
+      ((0, 1, 2, 3), (4, 5, 6, 7)),
+    ),
     ("mesh['a'=2,'b'=2,'c'=2] {'c','a'}", ((0, 4, 1, 5), (2, 6, 3, 7))),
     # Sub-axis 'a':(2)2 is the middle factor of a = 2 x 2 x 2.
     ("mesh['a'=8] {'a':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
     ("mesh['a'=4], device_ids=(3,1,0,2) {'a'}", ((3, 1, 0, 2),)),
-])
+  ],
+)
 def test_parse_replica_groups(text, groups):
   assert hlo_text.parse_replica_groups(text, num_partitions=4) == groups
 
@@ -228,7 +247,12 @@ ENTRY %main (p: f32[8], q: f32[8]) -> (f32[8], f32[2]) {
 """
   nodes = hlo.analyze(text).entry
   assert [type(n).__name__ for n in nodes] == [
-      "Collective", "Compute", "AsyncDone", "Collective", "AsyncDone"]
+    "Collective",
+    "Compute",
+    "AsyncDone",
+    "Collective",
+    "AsyncDone",
+  ]
   ar, exp, _, rs, _ = nodes
   assert (ar.kind, ar.is_async, ar.done, ar.overlapped) == ("all-reduce", True, "ard", ("e",))
   assert ar.groups == ((0, 1), (2, 3)) and ar.bytes == 32

@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_imports_point_one_way():
-  lint = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
+  lint = shutil.which("lint-imports") or os.path.join(
+    os.path.dirname(sys.executable), "lint-imports"
+  )
   out = subprocess.run(
     [lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
   )
@@ -23,8 +25,22 @@ def test_no_module_imports_launch():
   """launch.py is a single module, which import-linter's layers cannot name: it is the
   entry point, and nothing imports it."""
   offenders = []
-  for top in ("modes", "experiments", "sweep", "measure", "report", "projection", "train",
-              "model", "parallelism", "hardware", "reference", "records", "benchmarks", "tools"):
+  for top in (
+    "modes",
+    "experiments",
+    "sweep",
+    "measure",
+    "report",
+    "projection",
+    "train",
+    "model",
+    "parallelism",
+    "hardware",
+    "reference",
+    "records",
+    "benchmarks",
+    "tools",
+  ):
     for folder, _, files in os.walk(os.path.join(ROOT, top)):
       for name in files:
         if name.endswith(".py"):

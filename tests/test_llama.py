@@ -23,10 +23,18 @@ from train import step as train_step
 from train.config import TrainConfig
 
 # The architecture of llama3-tiny, smaller: 4 query heads sharing 2 K/V heads.
-MODEL = dataclasses.replace(preset("llama3-tiny"), d_model=32, head_dim=8, ffn_dim=64,
-                            seq_len=16, vocab_size=128, compute_dtype="float32")
-TRAIN = TrainConfig(global_batch=8, steps=2, warmup_steps=0, task="learnable",
-                    learning_rate=1e-2, lr_warmup_steps=1)
+MODEL = dataclasses.replace(
+  preset("llama3-tiny"),
+  d_model=32,
+  head_dim=8,
+  ffn_dim=64,
+  seq_len=16,
+  vocab_size=128,
+  compute_dtype="float32",
+)
+TRAIN = TrainConfig(
+  global_batch=8, steps=2, warmup_steps=0, task="learnable", learning_rate=1e-2, lr_warmup_steps=1
+)
 # float32 throughout; sharded reductions sum in a different order than one device (a
 # relative 1e-7 per sum of at most a few hundred terms), and two Adam steps carry that into
 # the parameters (O(1e-2) updates normalised per entry by the gradient's size): rtol for
@@ -39,12 +47,18 @@ def _param_count(name: str) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-@pytest.mark.parametrize("name, published", [
-  # Meta's model cards (huggingface.co/meta-llama): 8.03B, 70.6B, 405.9B (arXiv:2407.21783
-  # Table 3 names them 8B, 70B, 405B), 1.23B and 3.21B.
-  ("llama3.1-8b", 8.03e9), ("llama3.1-70b", 70.6e9), ("llama3.1-405b", 405.9e9),
-  ("llama3.2-1b", 1.23e9), ("llama3.2-3b", 3.21e9),
-])
+@pytest.mark.parametrize(
+  "name, published",
+  [
+    # Meta's model cards (huggingface.co/meta-llama): 8.03B, 70.6B, 405.9B (arXiv:2407.21783
+    # Table 3 names them 8B, 70B, 405B), 1.23B and 3.21B.
+    ("llama3.1-8b", 8.03e9),
+    ("llama3.1-70b", 70.6e9),
+    ("llama3.1-405b", 405.9e9),
+    ("llama3.2-1b", 1.23e9),
+    ("llama3.2-3b", 3.21e9),
+  ],
+)
 def test_parameter_counts_from_abstract_shapes_match_meta(name, published):
   counted = _param_count(name)
   # The published figures are rounded to 3-4 digits; the issue asks for 0.5%.
@@ -62,8 +76,9 @@ def test_llama_kernels_and_no_biases_or_learned_positions():
   assert not hasattr(nnx.eval_shape(lambda: GPT(preset("llama3.2-1b"), nnx.Rngs(0))), "lm_head")
 
 
-def _meta_scaled_frequencies(head_dim: int, theta: float, factor: float, low: float,
-                             high: float, context: int) -> np.ndarray:
+def _meta_scaled_frequencies(
+  head_dim: int, theta: float, factor: float, low: float, high: float, context: int
+) -> np.ndarray:
   """Llama 3.1's scaled rotary frequencies, one at a time, as Meta's reference states them."""
   out = []
   for i in range(0, head_dim, 2):
@@ -92,7 +107,7 @@ def test_rotary_embedding_matches_llama31_scaled_frequencies():
   x = np.random.default_rng(0).standard_normal((1, T, 2, K)).astype(np.float32)
   angles = np.arange(T)[:, None] * want[None, :]  # [T, K/2]
   cos, sin = np.cos(angles)[None, :, None], np.sin(angles)[None, :, None]
-  first, second = x[..., :K // 2], x[..., K // 2:]
+  first, second = x[..., : K // 2], x[..., K // 2 :]
   expected = np.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
   got = np.asarray(rope.rotate(jnp.asarray(x), cfg))
   # float32 rotation of O(1) entries by angles computed in float64: a few float32 ulps.
@@ -101,13 +116,16 @@ def test_rotary_embedding_matches_llama31_scaled_frequencies():
   rotated = rope.rotate(jnp.ones((1, T, 1, K), jnp.float32), cfg)[0, :, 0]
   dots = np.asarray(rotated @ rotated.T)
   np.testing.assert_allclose(np.diag(dots, 0), K, rtol=1e-5)  # float32 sums of K terms
-  np.testing.assert_allclose(np.diag(dots, 3)[:5], np.diag(dots, 3)[100:105], rtol=1e-4,
-                             atol=1e-3)  # the same difference at far positions, float32
+  np.testing.assert_allclose(
+    np.diag(dots, 3)[:5], np.diag(dots, 3)[100:105], rtol=1e-4, atol=1e-3
+  )  # the same difference at far positions, float32
 
 
 def _program(model: ModelConfig, mesh_cfg: MeshConfig, devices: int):
   mesh_cfg = dataclasses.replace(mesh_cfg, devices_per_node=devices)  # one node
-  return train_step.build(model, TRAIN, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices]))
+  return train_step.build(
+    model, TRAIN, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
+  )
 
 
 def _train(program, model: ModelConfig, steps: int = 2):
@@ -115,8 +133,9 @@ def _train(program, model: ModelConfig, steps: int = 2):
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
   state, losses = program.init(), []
   for i in range(steps):
-    batch = data.batch(TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len,
-                       model.vocab_size)
+    batch = data.batch(
+      TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len, model.vocab_size
+    )
     state, metrics = compiled(state, jax.device_put(batch, program.batch_sharding))
     losses.append(float(metrics["loss"]))
   return losses, jax.tree.map(np.asarray, state.params)
@@ -131,21 +150,31 @@ def _one_device(model: ModelConfig):
   return _ONE_DEVICE[model]
 
 
-@pytest.mark.parametrize("mesh_cfg, heads, kv_heads, kv_split, sequence_parallel", [
-  (MeshConfig(data=2, tensor=2), 4, 2, True, False),
-  # More tensor ranks than K/V heads: the K/V kernel replicated over `tensor`, with and
-  # without sequence parallelism (whose shard_map then computes K/V whole on every rank).
-  (MeshConfig(data=1, tensor=4), 4, 2, False, False),
-  (MeshConfig(data=1, tensor=4), 4, 2, False, True),
-  (MeshConfig(data=1, tensor=2), 8, 4, True, False),
-], ids=["data2-tensor2", "tensor4-2-kv-heads-replicated",
-        "tensor4-2-kv-heads-replicated-sequence-parallel", "tensor2-4-kv-heads-split"])
-def test_sharded_llama_step_matches_one_device(mesh_cfg, heads, kv_heads, kv_split,
-                                               sequence_parallel):
+@pytest.mark.parametrize(
+  "mesh_cfg, heads, kv_heads, kv_split, sequence_parallel",
+  [
+    (MeshConfig(data=2, tensor=2), 4, 2, True, False),
+    # More tensor ranks than K/V heads: the K/V kernel replicated over `tensor`, with and
+    # without sequence parallelism (whose shard_map then computes K/V whole on every rank).
+    (MeshConfig(data=1, tensor=4), 4, 2, False, False),
+    (MeshConfig(data=1, tensor=4), 4, 2, False, True),
+    (MeshConfig(data=1, tensor=2), 8, 4, True, False),
+  ],
+  ids=[
+    "data2-tensor2",
+    "tensor4-2-kv-heads-replicated",
+    "tensor4-2-kv-heads-replicated-sequence-parallel",
+    "tensor2-4-kv-heads-split",
+  ],
+)
+def test_sharded_llama_step_matches_one_device(
+  mesh_cfg, heads, kv_heads, kv_split, sequence_parallel
+):
   model = dataclasses.replace(MODEL, num_heads=heads, num_kv_heads=kv_heads)
   devices = math.prod((mesh_cfg.data, mesh_cfg.tensor))
-  program = _program(dataclasses.replace(model, sequence_parallel=sequence_parallel),
-                     mesh_cfg, devices)
+  program = _program(
+    dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg, devices
+  )
   kv_spec = program.abstract_state.params["layers"]["kv_kernel"].sharding.spec
   assert (kv_spec[3] == "tensor") == kv_split, kv_spec
   assert program.abstract_state.params["layers"]["q_kernel"].sharding.spec[2] == "tensor"
@@ -183,7 +212,8 @@ def test_fp8_casts_every_llama_kernel():
     model = GPT(cfg, nnx.Rngs(0))
     params = model.layer_params()
     return {name: params[name].cast for name in kernels(cfg)}, model(
-        jnp.zeros((2, cfg.seq_len), jnp.int32))
+      jnp.zeros((2, cfg.seq_len), jnp.int32)
+    )
 
   casts, logits = jax.eval_shape(casts_and_logits)  # traced, not run
   assert set(casts) == set(GROUPED_QUERY_KERNELS)
@@ -191,16 +221,20 @@ def test_fp8_casts_every_llama_kernel():
   assert logits.shape == (2, cfg.seq_len, cfg.padded_vocab)
 
 
-@pytest.mark.parametrize("heads, kv_heads, tensor, message", [
-  (4, 3, 1, "model.num_kv_heads = 3 must divide model.num_heads = 4"),
-  # 2 K/V heads on 3 ranks: neither splits the other.
-  (6, 2, 3, "model.num_kv_heads = 2 over mesh tensor = 3"),
-  (12, 6, 4, "model.num_kv_heads = 6 does not divide over mesh tensor = 4"),
-])
+@pytest.mark.parametrize(
+  "heads, kv_heads, tensor, message",
+  [
+    (4, 3, 1, "model.num_kv_heads = 3 must divide model.num_heads = 4"),
+    # 2 K/V heads on 3 ranks: neither splits the other.
+    (6, 2, 3, "model.num_kv_heads = 2 over mesh tensor = 3"),
+    (12, 6, 4, "model.num_kv_heads = 6 does not divide over mesh tensor = 4"),
+  ],
+)
 def test_bad_kv_heads_are_refused(heads, kv_heads, tensor, message):
   # MLP width and vocabulary that split 3 and 4 ways, so only the heads can be wrong.
-  model = dataclasses.replace(MODEL, num_heads=heads, num_kv_heads=kv_heads, ffn_dim=96,
-                              vocab_multiple=384)
+  model = dataclasses.replace(
+    MODEL, num_heads=heads, num_kv_heads=kv_heads, ffn_dim=96, vocab_multiple=384
+  )
   with pytest.raises(UserInputError, match=message):
     _program(model, MeshConfig(data=1, tensor=tensor), tensor)
 
@@ -211,8 +245,7 @@ def test_delayed_scaling_records_an_amax_for_every_grouped_query_kernel():
   model = dataclasses.replace(MODEL, fp8=True, fp8_amax_history=4)
   program = _program(model, MeshConfig(data=1), 1)
   step = program.lower(TRAIN.global_batch, model.seq_len).compile()
-  batch = data.batch(TRAIN.task, TRAIN.seed, 0, TRAIN.global_batch, model.seq_len,
-                     model.vocab_size)
+  batch = data.batch(TRAIN.task, TRAIN.seed, 0, TRAIN.global_batch, model.seq_len, model.vocab_size)
   state, _ = step(program.init(), jax.device_put(batch, program.batch_sharding))
   assert set(state.fp8_history) == set(GROUPED_QUERY_KERNELS)
   for name, history in state.fp8_history.items():

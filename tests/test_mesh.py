@@ -35,14 +35,21 @@ def test_nvl72_domain_allows_tensor_across_nodes():
   assert layout.sizes["tensor"] == 8 and layout.infiniband["tensor"] == 2
 
 
-@pytest.mark.parametrize("cfg, devices, message", [
+@pytest.mark.parametrize(
+  "cfg, devices, message",
+  [
     (MeshConfig(data=3, fsdp=1, tensor=1), 8, "must equal the 8 devices"),
     (MeshConfig(data=-1, fsdp=-1), 8, "only one axis may be -1"),
     (MeshConfig(data=-1, fsdp=3), 8, "do not divide"),
-    (MeshConfig(data=1, fsdp=1, tensor=8), 8, "mesh.tensor 8 does not fit in the NVLink domain of 4"),
+    (
+      MeshConfig(data=1, fsdp=1, tensor=8),
+      8,
+      "mesh.tensor 8 does not fit in the NVLink domain of 4",
+    ),
     (MeshConfig(data=0), 8, "mesh.data must be a positive integer"),
     (MeshConfig(devices_per_node=3), 8, "mesh.devices_per_node must divide"),
-])
+  ],
+)
 def test_bad_meshes_are_refused_with_the_field(cfg, devices, message):
   with pytest.raises(UserInputError, match=message):
     plan(cfg, devices)

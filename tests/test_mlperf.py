@@ -26,8 +26,16 @@ from model import fp8
 from model.gpt import attention
 from parallelism import sequence
 from parallelism.mesh import AXES, MeshConfig
-from projection import (aot_compile, collective_timing, cost_model, hlo, layout, project,
-                        step_loops, targets)
+from projection import (
+  aot_compile,
+  collective_timing,
+  cost_model,
+  hlo,
+  layout,
+  project,
+  step_loops,
+  targets,
+)
 from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
@@ -211,16 +219,29 @@ def test_sequence_parallel_fp8_entries_all_gather_e4m3_on_h100():
   # E4M3 cast, not bfloat16 (model/fp8.py `gather`); the input gradient is reduce-scattered
   # in bfloat16.
   sizes = [2 if axis == "tensor" else 1 for axis in AXES]  # tensor 2, every other axis 1
-  mesh = Mesh(np.array(targets.target_devices("h100", 1, 2)).reshape(sizes), AXES,
-              axis_types=(AxisType.Auto,) * len(AXES))
-  x = jax.ShapeDtypeStruct((2, 256, 512), jnp.bfloat16,
-                           sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
-  w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16,
-                           sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
+  mesh = Mesh(
+    np.array(targets.target_devices("h100", 1, 2)).reshape(sizes),
+    AXES,
+    axis_types=(AxisType.Auto,) * len(AXES),
+  )
+  x = jax.ShapeDtypeStruct(
+    (2, 256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(None, "tensor"))
+  )
+  w = jax.ShapeDtypeStruct(
+    (512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(None, "tensor"))
+  )
 
   def loss(x, w):
-    y = sequence.matmul(fp8.einsum, "btd,df->btf", x, w, ("batch", "act_seq", "act_embed"),
-                        ("embed", "mlp"), ("batch", "length", "act_mlp"), tensor_in_fn=True)
+    y = sequence.matmul(
+      fp8.einsum,
+      "btd,df->btf",
+      x,
+      w,
+      ("batch", "act_seq", "act_embed"),
+      ("embed", "mlp"),
+      ("batch", "length", "act_mlp"),
+      tensor_in_fn=True,
+    )
     return y.astype(jnp.float32).sum()
 
   with jax.set_mesh(mesh):
@@ -236,14 +257,20 @@ def test_split_optimizer_gathers_the_fp8_kernels_casts_over_data_on_h100(toy_exp
   # all-gathers their E4M3 casts (train/step.py): one byte per kernel element over `data`,
   # and no kernel gathered in bfloat16 (the other parameters are far smaller).
   exp = toy_experiment(
-    "fp8_gather", mesh=MeshConfig(data=-1, tensor=2, pipeline=2),
-    train=TrainConfig(global_batch=16, micro_batch=1, pipeline_schedule="1f1b",
-                      shard_optimizer=True),
-    param_dtype="bfloat16", fp8=True, fp8_amax_history=16)
+    "fp8_gather",
+    mesh=MeshConfig(data=-1, tensor=2, pipeline=2),
+    train=TrainConfig(
+      global_batch=16, micro_batch=1, pipeline_schedule="1f1b", shard_optimizer=True
+    ),
+    param_dtype="bfloat16",
+    fp8=True,
+    fp8_amax_history=16,
+  )
   reduced = project.plan(exp, H100, 8)
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   program = aot_compile.compile_step(
-    exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program
+    exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8
+  ).program
   gathered = {"f8e4m3fn": 0, "bf16": 0}
   for node, _ in hlo.collectives(program):
     if node.kind == "all-gather" and layout.axes_of(node.groups, reduced) == "data":
@@ -259,9 +286,12 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops(toy_exper
   # 2 stages x 2 virtual stages, 4 micro-batches per replica: 4 x 2 + 2 - 1 = 9 trips of
   # each pipeline loop (forward and backward), 1 of them idle.
   exp = toy_experiment(
-    "pp", mesh=MeshConfig(data=-1, pipeline=2),
-    train=TrainConfig(global_batch=16, micro_batch=1, pipeline_schedule="interleaved",
-                      virtual_stages=2))
+    "pp",
+    mesh=MeshConfig(data=-1, pipeline=2),
+    train=TrainConfig(
+      global_batch=16, micro_batch=1, pipeline_schedule="interleaved", virtual_stages=2
+    ),
+  )
   record = project.project(exp, "h100", 8)
   assert (record["micro_batches"], record["compiled_micro_batches"]) == (4, 4)
   reduced = project.plan(exp, H100, 8)
@@ -291,8 +321,9 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops(toy_exper
   # inside the pass loop, 1 idle, so twice the idle trips of one pass.
   two = dataclasses.replace(exp, train=dataclasses.replace(exp.train, pipeline_passes=2))
   train_cfg = dataclasses.replace(two.train, global_batch=reduced.global_batch)
-  passes = step_loops.pipeline_passes(aot_compile.compile_step(
-    two.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program)
+  passes = step_loops.pipeline_passes(
+    aot_compile.compile_step(two.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program
+  )
   assert [(loop.trip_count, repeats) for loop, repeats in passes] == [(5, 2), (5, 2)]
   loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop, _ in passes)
   two_passes_bubble = project.project(two, "h100", 8)["breakdown"]["bubble_s"]
@@ -303,7 +334,8 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops(toy_exper
   one_f = dataclasses.replace(exp, train=dataclasses.replace(exp.train, pipeline_schedule="1f1b"))
   train_cfg = dataclasses.replace(one_f.train, global_batch=reduced.global_batch)
   program = aot_compile.compile_step(
-    one_f.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8).program
+    one_f.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8
+  ).program
   loops = step_loops.pipeline_passes(program)
   assert [(loop.trip_count, repeats) for loop, repeats in loops] == [(5, 1), (4, 1), (5, 1)]
   fill, _, drain = (cost_model.simulate(loop.body, H100, timer).step_s for loop, _ in loops)

@@ -1,18 +1,19 @@
 """The MLPerf Llama 3.1 405B benchmark as data: the RCP-normalized time-to-train arithmetic,
 the reference convergence interpolated between batches, both rounds' evaluation
 schedules, the learning-rate rule and the published configurations by GPU count. No
-compile (a 405B chunk is not cheap on 2 cores; the projections compile it). Every figure here is Python arithmetic on the published numbers;
-pytest.approx's default (1e-6 relative) absorbs only float rounding where a formula is
-written in another order than the code's.
+compile (a 405B chunk is not cheap on 2 cores; the projections compile it). Every figure
+here is Python arithmetic on the published numbers; pytest.approx's default (1e-6
+relative) absorbs only float rounding where a formula is written in another order than
+the code's.
 """
 
 import pytest
 
 import experiments
 from errors import UserInputError
-from parallelism import pipeline
 from experiments import mlperf_llama31_405b as mlperf
 from experiments._time_to_train import RcpNormalizedTimeToTrain
+from parallelism import pipeline
 from reference import mlperf_llama31_405b as published
 
 V50, V51 = mlperf.BENCHMARKS["v5.0"], mlperf.BENCHMARKS["v5.1"]
@@ -44,7 +45,9 @@ def test_the_run_costed_stops_where_the_calibration_runs_stopped(run):
   assert V50.steps_to_converge(run.global_batch) == run.steps
   assert V50.evaluations(run.global_batch) == 7
   factor = V50.normalization(run.global_batch)
-  assert factor == pytest.approx(V50.mean_samples(run.global_batch) / (run.steps * run.global_batch))
+  assert factor == pytest.approx(
+    V50.mean_samples(run.global_batch) / (run.steps * run.global_batch)
+  )
   # Within 0.4% of the ratio of the published score to the cited log's run time: the
   # score is the median run's, whose samples may differ from the cited log's.
   assert factor == pytest.approx(run.score_min / run.run_time_min, rel=4e-3)
@@ -96,7 +99,12 @@ def test_learning_rate_rule_by_global_batch():
   assert cfg.learning_rate == pytest.approx(8e-5 * 1536 / 1152)
   assert cfg.learning_rate * cfg.min_lr_ratio == pytest.approx(8e-7)
   assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip) == (
-    0.9, 0.95, 1e-5, 0.1, 1.0)
+    0.9,
+    0.95,
+    1e-5,
+    0.1,
+    1.0,
+  )
   assert cfg.steps == 210
 
 
@@ -105,7 +113,10 @@ def test_published_configurations_are_the_default_for_their_gpu_counts():
   eos = experiments.at_gpus(exp, 8192)
   assert (eos.mesh.tensor, eos.mesh.pipeline, eos.train.virtual_stages) == (8, 8, 8)
   assert (eos.train.global_batch, eos.train.micro_batch, eos.train.pipeline_schedule) == (
-    1536, 1, "1f1b")
+    1536,
+    1,
+    "1f1b",
+  )
   carina = experiments.at_gpus(exp, 2496)
   assert (carina.mesh.tensor, carina.mesh.pipeline, carina.train.virtual_stages) == (4, 8, 8)
   assert (carina.train.global_batch, carina.train.micro_batch) == (1248, 1)
@@ -121,6 +132,13 @@ def test_published_configurations_are_the_default_for_their_gpu_counts():
   # 126 layers in 8 x 8 chunks: the embedding and the loss take two slots of 128.
   assert pipeline.split(126, 8, 8) == (2, True)
   model = exp.model
-  assert (model.num_layers, model.d_model, model.num_heads, model.num_kv_heads, model.ffn_dim,
-          model.seq_len, model.vocab_size) == (126, 16384, 128, 8, 53248, 8192, 32_768)
+  assert (
+    model.num_layers,
+    model.d_model,
+    model.num_heads,
+    model.num_kv_heads,
+    model.ffn_dim,
+    model.seq_len,
+    model.vocab_size,
+  ) == (126, 16384, 128, 8, 53248, 8192, 32_768)
   assert model.fp8 and model.sequence_parallel and not model.tie_embeddings

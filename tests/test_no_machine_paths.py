@@ -14,7 +14,10 @@ def _repository_files() -> list[str]:
   """Tracked files and new ones git does not ignore."""
   out = subprocess.run(
     ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-    cwd=ROOT, capture_output=True, check=True, timeout=60,
+    cwd=ROOT,
+    capture_output=True,
+    check=True,
+    timeout=60,
   )
   return [p for p in out.stdout.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p))]
 

@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from errors import UserInputError
+from model import fp8
 from model.config import ModelConfig
 from model.gpt import GPT
-from model import fp8
 from parallelism import one_f_one_b, pipeline, sequence
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from train import data
@@ -82,21 +82,36 @@ def single_device():
     # (the MLPerf experiment's setting).
     (MeshConfig(data=2, tensor=2, pipeline=2), "1f1b", 2, 1, True, 1, True),
   ],
-  ids=["gpipe-pipeline4-tensor2-sequence-parallel",
-       "interleaved-pipeline2-data2-tensor2-2-passes-sharded-optimizer-elementwise-remat",
-       "interleaved-1f1b-pipeline2-data2-tensor2-sequence-parallel-sharded-optimizer-"
-       "elementwise-remat"],
+  ids=[
+    "gpipe-pipeline4-tensor2-sequence-parallel",
+    "interleaved-pipeline2-data2-tensor2-2-passes-sharded-optimizer-elementwise-remat",
+    "interleaved-1f1b-pipeline2-data2-tensor2-sequence-parallel-sharded-optimizer-"
+    "elementwise-remat",
+  ],
 )
 def test_pipelined_step_matches_one_device(
-  mesh_cfg, schedule, virtual, micro_batch, sequence_parallel, passes, split_optimizer,
-  single_device
+  mesh_cfg,
+  schedule,
+  virtual,
+  micro_batch,
+  sequence_parallel,
+  passes,
+  split_optimizer,
+  single_device,
 ):
   train = dataclasses.replace(
-    TRAIN, pipeline_schedule=schedule, virtual_stages=virtual, micro_batch=micro_batch,
-    pipeline_passes=passes, shard_optimizer=split_optimizer,
+    TRAIN,
+    pipeline_schedule=schedule,
+    virtual_stages=virtual,
+    micro_batch=micro_batch,
+    pipeline_passes=passes,
+    shard_optimizer=split_optimizer,
   )
-  model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel,
-                              remat="elementwise" if split_optimizer else MODEL.remat)
+  model = dataclasses.replace(
+    MODEL,
+    sequence_parallel=sequence_parallel,
+    remat="elementwise" if split_optimizer else MODEL.remat,
+  )
   program = _program(mesh_cfg, 8, model=model, train=train)
   losses, params, collectives = _train(program)
   params["layers"] = pipeline.model_order(params["layers"], mesh_cfg.pipeline, virtual)
@@ -219,8 +234,17 @@ def test_fp8_entry_all_gathers_the_cast_and_computes_what_gathering_first_does()
 
   def product(tensor_in_fn):
     def f(x, w):
-      return sequence.matmul(fp8.einsum, "btd,df->btf", x, w, ("batch", "act_seq", "act_embed"),
-                             ("embed", "mlp"), ("batch", "length", "act_mlp"), tensor_in_fn)
+      return sequence.matmul(
+        fp8.einsum,
+        "btd,df->btf",
+        x,
+        w,
+        ("batch", "act_seq", "act_embed"),
+        ("embed", "mlp"),
+        ("batch", "length", "act_mlp"),
+        tensor_in_fn,
+      )
+
     with jax.set_mesh(mesh):
       y, vjp = jax.vjp(jax.jit(f), x, w)
       return y, *vjp(g)
@@ -263,8 +287,9 @@ def test_fp8_entry_all_gathers_the_cast_and_computes_what_gathering_first_does()
     ),
     (
       MeshConfig(data=2, tensor=2, pipeline=2),
-      dataclasses.replace(TRAIN, micro_batch=1, pipeline_schedule="interleaved",
-                          virtual_stages=2, pipeline_passes=4),
+      dataclasses.replace(
+        TRAIN, micro_batch=1, pipeline_schedule="interleaved", virtual_stages=2, pipeline_passes=4
+      ),
       "micro-batches per data-parallel replica and pass, got 1",
     ),
     (
@@ -299,9 +324,11 @@ def _f8_weight_casts(jaxpr, kernel_shapes, in_loop=False):
   """(casts to E4M3 of kernel-shaped arrays outside loops, inside loops), recursively."""
   outside = inside = 0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.float8_e4m3fn:
+    if (
+      eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.float8_e4m3fn
+    ):
       shape = eqn.invars[0].aval.shape
-      if any(shape[len(shape) - len(k):] == k for k in kernel_shapes):
+      if any(shape[len(shape) - len(k) :] == k for k in kernel_shapes):
         inside, outside = inside + in_loop, outside + (not in_loop)
     loop = in_loop or eqn.primitive.name in ("scan", "while")
     for param in eqn.params.values():
@@ -339,8 +366,10 @@ def test_uneven_split_counts_the_embedding_and_the_loss_as_layers():
   # Rank 0: chunk 0 (padding, layer 0) and chunk 2 (layers 3, 4); rank 1: chunk 1
   # (layers 1, 2) and chunk 3 (layer 5, padding).
   assert rows.tolist() == [0, 0, 3, 4, 1, 2, 5, 5]
-  assert pipeline.active_rows(6, 2, 2).tolist() == [[False, True, True, True],
-                                                    [True, True, True, False]]
+  assert pipeline.active_rows(6, 2, 2).tolist() == [
+    [False, True, True, True],
+    [True, True, True, False],
+  ]
   assert pipeline.active_rows(8, 2, 2) is None
   assert pipeline.model_order(rows, 2, 2, num_layers=6).tolist() == list(range(6))
 
@@ -368,8 +397,9 @@ def test_uneven_stages_match_one_device(schedule, sequence_parallel, single_devi
   so the same tolerance (RTOL, ATOL above); the skipped rows add exact zeros."""
   mesh_cfg = MeshConfig(data=2, tensor=2, pipeline=2)
   train = dataclasses.replace(TRAIN, pipeline_schedule=schedule, virtual_stages=2, micro_batch=1)
-  model = dataclasses.replace(MODEL, num_layers=6, sequence_parallel=sequence_parallel,
-                              remat="elementwise")
+  model = dataclasses.replace(
+    MODEL, num_layers=6, sequence_parallel=sequence_parallel, remat="elementwise"
+  )
   program = _program(mesh_cfg, 8, model=model, train=train)
   assert program.abstract_state.params["layers"]["fc1_kernel"].shape[0] == 8
   losses, params, collectives = _train(program)
@@ -383,8 +413,9 @@ def test_uneven_stages_keep_an_amax_history_per_stored_row():
   stored rows (padding included), and the first step's loss as on one device (its casts
   use the same initial scales; an FP8 rounding can flip where the sharded sums differ in
   order, moving the mean over 128 tokens by well under 1e-3)."""
-  model = dataclasses.replace(MODEL, num_layers=6, remat="elementwise", fp8=True,
-                              fp8_amax_history=4, compute_dtype="bfloat16")
+  model = dataclasses.replace(
+    MODEL, num_layers=6, remat="elementwise", fp8=True, fp8_amax_history=4, compute_dtype="bfloat16"
+  )
   train = dataclasses.replace(TRAIN, pipeline_schedule="1f1b", virtual_stages=2, micro_batch=1)
   program = _program(MeshConfig(data=2, tensor=2, pipeline=2), 8, model=model, train=train)
   assert program.abstract_state.fp8_history["fc1_kernel"].get_value().shape == (8, 2, 4)

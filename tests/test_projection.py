@@ -31,8 +31,17 @@ from hardware import catalog
 from model.config import ModelConfig
 from model.flops import matmul_flops_per_step
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import (aot_compile, collective_timing, collectives, cost_model, hlo, layout,
-                        project, step_loops, targets)
+from projection import (
+  aot_compile,
+  collective_timing,
+  collectives,
+  cost_model,
+  hlo,
+  layout,
+  project,
+  step_loops,
+  targets,
+)
 from train import step as train_step
 from train.config import TrainConfig
 
@@ -44,11 +53,22 @@ deviceless = pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
 # sequence, 64 GPUs (data 8) run 8 micro-batches and 128 GPUs (data 16) run 4; both
 # compile as data 2 with 2 micro-batches (global batch 8).
 SMALL = ExperimentConfig(
-    name="small", description="projection tests",
-    model=ModelConfig(name="small", num_layers=2, d_model=256, num_heads=4, head_dim=64,
-                      seq_len=256, vocab_size=512, remat="full", compute_dtype="bfloat16"),
-    mesh=MeshConfig(data=-1, fsdp=2, tensor=4),
-    train=TrainConfig(global_batch=128, micro_batch=1))
+  name="small",
+  description="projection tests",
+  model=ModelConfig(
+    name="small",
+    num_layers=2,
+    d_model=256,
+    num_heads=4,
+    head_dim=64,
+    seq_len=256,
+    vocab_size=512,
+    remat="full",
+    compute_dtype="bfloat16",
+  ),
+  mesh=MeshConfig(data=-1, fsdp=2, tensor=4),
+  train=TrainConfig(global_batch=128, micro_batch=1),
+)
 H100 = catalog.get("h100")
 
 
@@ -59,8 +79,13 @@ def _with_batch(exp: ExperimentConfig, global_batch: int) -> ExperimentConfig:
 def _direct(exp: ExperimentConfig, gpus: int) -> dict:
   """The projection from a compile of the whole target mesh and all its micro-batches."""
   reduced = project.plan(exp, H100, gpus)
-  whole = layout.ReducedMesh(reduced.target, reduced.target.sizes, exp.train.global_batch,
-                             reduced.micro_batches, reduced.micro_batches)
+  whole = layout.ReducedMesh(
+    reduced.target,
+    reduced.target.sizes,
+    exp.train.global_batch,
+    reduced.micro_batches,
+    reduced.micro_batches,
+  )
   return project.project_on(exp, H100, whole)
 
 
@@ -97,8 +122,11 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
   r64, r128 = project.project(SMALL, "h100", 64), project.project(SMALL, "h100", 128)
   after = aot_compile.compile_step.cache_info()
   assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
-  assert r64["compiled_mesh"] == r128["compiled_mesh"] == {"data": 2, "fsdp": 2, "tensor": 4,
-                                                           "pipeline": 1}
+  assert (
+    r64["compiled_mesh"]
+    == r128["compiled_mesh"]
+    == {"data": 2, "fsdp": 2, "tensor": 4, "pipeline": 1}
+  )
   assert (r64["micro_batches"], r128["micro_batches"]) == (8, 4)
   assert r64["compiled_micro_batches"] == r128["compiled_micro_batches"] == 2
   # Per GPU, 64 GPUs run twice the micro-batches of 128: twice the matmuls, no more.
@@ -123,7 +151,8 @@ def test_over_capacity_is_reported_without_a_step_time():
   assert record["memory_per_gpu_gb"] > record["hbm_capacity_gb"]
   assert record["fits"] is False
   assert record["over_capacity_gb"] == pytest.approx(
-      record["memory_per_gpu_gb"] - record["hbm_capacity_gb"])
+    record["memory_per_gpu_gb"] - record["hbm_capacity_gb"]
+  )
   assert not {"step_time_s", "breakdown", "mfu"} & record.keys()
 
 
@@ -148,8 +177,9 @@ def test_latency_profile_names_the_instructions_xla_schedules(capfd, monkeypatch
   exp = dataclasses.replace(SMALL, latency_profile=True)
   reduced = project.plan(exp, H100, 256)
   timer = collective_timing.collective_timer(reduced, H100)
-  untuned, _ = aot_compile.compiled_program(dataclasses.replace(exp, latency_profile=False), H100,
-                                        reduced, timer)
+  untuned, _ = aot_compile.compiled_program(
+    dataclasses.replace(exp, latency_profile=False), H100, reduced, timer
+  )
   capfd.readouterr()
   before = aot_compile.compile_step.cache_info().misses
   tuned, compile_s = aot_compile.compiled_program(exp, H100, reduced, timer)
@@ -171,8 +201,15 @@ def test_save_dots_matmul_flops_and_the_named_loop_on_cpu():
   # One CPU device, 2 micro-batches run to 5 through the named accumulation loop; save_dots
   # adds the recomputed attention matmuls to the 3 x forward of remat none. (Full remat is
   # checked on GPT-3 175B above; a CPU compile costs 5-15 s here, so one policy.)
-  model = ModelConfig(num_layers=3, d_model=64, num_heads=4, head_dim=16, seq_len=32,
-                      vocab_size=256, remat="save_dots")
+  model = ModelConfig(
+    num_layers=3,
+    d_model=64,
+    num_heads=4,
+    head_dim=16,
+    seq_len=32,
+    vocab_size=256,
+    remat="save_dots",
+  )
   mesh = build_mesh(plan(MeshConfig(data=1), 1), jax.devices()[:1])
   step = train_step.build(model, TrainConfig(global_batch=2, micro_batch=1), mesh)
   program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
@@ -206,8 +243,11 @@ def test_plan_reduces_any_data_size_and_checks_the_micro_batch():
     assert (reduced.micro_batches, reduced.compiled_micro_batches) == (micro, 2)
     assert reduced.global_batch == reduced_data * 8 * 2  # replicas x 2 micro-batches of 1
   five = dataclasses.replace(gpt3, train=dataclasses.replace(gpt3.train, micro_batch=5))
-  with pytest.raises(UserInputError, match="train.micro_batch = 5 does not divide the 24 "
-                                           "sequences per data-parallel replica of 512 GPUs"):
+  with pytest.raises(
+    UserInputError,
+    match="train.micro_batch = 5 does not divide the 24 "
+    "sequences per data-parallel replica of 512 GPUs",
+  ):
     project.plan(five, H100, 512)
   # A group along data (partitions 0 and 64 of the 2 x 8 x 8 reduced mesh) grows to 3.
   reduced = project.plan(gpt3, H100, 192)
@@ -222,8 +262,10 @@ def test_groups_straddling_nvl72_racks_are_costed_at_the_slowest():
   gb200, gpt3 = catalog.get("gb200"), experiments.load("gpt3")
   reduced = layout.reduce(layout.target_layout(gpt3.mesh, 512, 4, 72), gpt3.train)
   fsdp_groups = tuple(tuple(range(t, 64, 8)) for t in range(8))
-  counts = {tuple(sorted(Counter(domains).values()))
-            for domains in layout.target_group_domains(fsdp_groups, reduced)}
+  counts = {
+    tuple(sorted(Counter(domains).values()))
+    for domains in layout.target_group_domains(fsdp_groups, reduced)
+  }
   assert (8,) in counts and (1, 7) in counts
   gather = hlo.Collective("ag", "all-gather", 150 * 2**20, "bf16", fsdp_groups)
   in_rack = collectives.collective_time_s("all-gather", gather.bytes, [0] * 8, gb200)
@@ -233,9 +275,11 @@ def test_groups_straddling_nvl72_racks_are_costed_at_the_slowest():
 
 def test_sync_collective_waits_for_the_communication_stream():
   one_second = lambda node: 1.0
-  nodes = (hlo.Collective("a", "all-reduce", 1, "f32", ((0, 1),), is_async=True),
-           hlo.Collective("s", "all-reduce", 1, "f32", ((0, 1),)),
-           hlo.AsyncDone("a-done", "a"))
+  nodes = (
+    hlo.Collective("a", "all-reduce", 1, "f32", ((0, 1),), is_async=True),
+    hlo.Collective("s", "all-reduce", 1, "f32", ((0, 1),)),
+    hlo.AsyncDone("a-done", "a"),
+  )
   cost = cost_model.simulate(nodes, H100, one_second)
   # The async one holds the links for 1 s; the sync one runs after it, and the compute
   # stream waits for both.
@@ -264,7 +308,9 @@ ENTRY %main (a: bf16[8192,8192], b: bf16[8192,8192]) -> bf16[8192,8192] {
 
 def test_collectives_are_named_by_the_mesh_axes_they_run_along():
   # Compiled mesh data 2 x fsdp 1 x tensor 2 x pipeline 2: partition 4 d + 2 t + p.
-  reduced = layout.ReducedMesh(None, {"data": 2, "fsdp": 1, "context": 1, "tensor": 2, "pipeline": 2}, 8, 1, 1)
+  reduced = layout.ReducedMesh(
+    None, {"data": 2, "fsdp": 1, "context": 1, "tensor": 2, "pipeline": 2}, 8, 1, 1
+  )
   tensor = ((0, 2), (1, 3), (4, 6), (5, 7))
   assert layout.axes_of(tensor, reduced) == "tensor"
   assert layout.axes_of(((0, 4), (1, 5), (2, 6), (3, 7)), reduced) == "data"
@@ -282,21 +328,26 @@ def test_collectives_are_named_by_the_mesh_axes_they_run_along():
     hlo.Collective("p", "collective-permute", 1, "bf16", pairs=((0, 1), (1, 0))),
   )
   seconds = {"t": 1.0, "d": 1.0, "p": 0.5}
-  by_axis = collective_timing.exposed_comm_by_axis_s(hlo.Program("p", 8, nodes), H100, reduced,
-                                           lambda n: seconds[n.name])
+  by_axis = collective_timing.exposed_comm_by_axis_s(
+    hlo.Program("p", 8, nodes), H100, reduced, lambda n: seconds[n.name]
+  )
   assert by_axis == pytest.approx({"tensor": 1.0, "data": 0.0, "pipeline": 0.5}, abs=1e-9)
 
 
 # ----------------------------------------------------------------------------- launch.py
 # (hardware, gpus) -> what the one line launch.py prints must contain.
 BAD_INPUT = {
-    "unknown hardware": (("tpu9", "512"), "known: a100, h100, h200, b200, gb200, gb300, host"),
-    "part of a node": (("h100", "516"), "--gpus 516 on h100: --gpus 516 is not a whole number "
-                                        "of 8-GPU nodes"),
-    "model-parallel": (("h100", "72"), "the other axes (64) do not divide the 72 devices"),
-    "global batch": (("h100", "640"), "train.global_batch = 1536 does not divide over the 80 "
-                                      "data x fsdp replicas of 640 GPUs"),
-    "not a number": (("h100", "5l2"), "--gpus takes positive whole numbers, got '5l2'"),
+  "unknown hardware": (("tpu9", "512"), "known: a100, h100, h200, b200, gb200, gb300, host"),
+  "part of a node": (
+    ("h100", "516"),
+    "--gpus 516 on h100: --gpus 516 is not a whole number of 8-GPU nodes",
+  ),
+  "model-parallel": (("h100", "72"), "the other axes (64) do not divide the 72 devices"),
+  "global batch": (
+    ("h100", "640"),
+    "train.global_batch = 1536 does not divide over the 80 data x fsdp replicas of 640 GPUs",
+  ),
+  "not a number": (("h100", "5l2"), "--gpus takes positive whole numbers, got '5l2'"),
 }
 
 
@@ -307,10 +358,21 @@ def bad_input_runs(tmp_path_factory):
   runs = {}
   for case, ((hardware, gpus), _) in BAD_INPUT.items():
     out = tmp_path_factory.mktemp("out")
-    command = [sys.executable, "launch.py", "--mode=project", "--experiment=gpt3",
-               f"--hardware={hardware}", f"--gpus={gpus}", f"--output_dir={out}"]
-    runs[case] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True), out)
+    command = [
+      sys.executable,
+      "launch.py",
+      "--mode=project",
+      "--experiment=gpt3",
+      f"--hardware={hardware}",
+      f"--gpus={gpus}",
+      f"--output_dir={out}",
+    ]
+    runs[case] = (
+      subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+      ),
+      out,
+    )
   yield runs
   for process, _ in runs.values():
     process.kill()

@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CUDA, _WHY = targets.cuda_available()
 H100 = catalog.get("h100")
 
+
 @pytest.fixture(scope="module")
 def small(toy_experiment):
   """The toy experiment (tests/conftest.py) on one 8-GPU H100 node, data-parallel."""
@@ -92,7 +93,8 @@ def test_delayed_fp8_scaling_prunes_the_lockstep_schedules(small):
   # lockstep candidates that were valid are pruned under its field (with others that a
   # later check would have pruned), the rest stay.
   delayed = dataclasses.replace(
-    small, model=dataclasses.replace(small.model, fp8=True, fp8_amax_history=16))
+    small, model=dataclasses.replace(small.model, fp8=True, fp8_amax_history=16)
+  )
   before = {c for c, _, _ in search.rank(small, H100, 8).survivors}
   ranking = search.rank(delayed, H100, 8)
   after = {c for c, _, _ in ranking.survivors}

@@ -117,9 +117,20 @@ def test_a_results_file_with_the_old_duplicate_keys_still_resumes(swept, tmp_pat
 
 def test_projections_are_projected_point_records(swept):
   fields = {f.name for f in dataclasses.fields(points.ProjectedPoint)}
-  labels = {"status", "reason", "sweep", "sweep_key", "sweep_config", "sweep_mode", "scaling",
-            "time", "scaling_baseline_devices", "scaling_efficiency", "token_budget",
-            "token_budget_label"}
+  labels = {
+    "status",
+    "reason",
+    "sweep",
+    "sweep_key",
+    "sweep_config",
+    "sweep_mode",
+    "scaling",
+    "time",
+    "scaling_baseline_devices",
+    "scaling_efficiency",
+    "token_budget",
+    "token_budget_label",
+  }
   ran = [r for r in swept[2] if r["status"] in ("ok", "does_not_fit")]
   assert ran and all(set(r) - labels <= fields for r in ran)
   for r in ran:  # and back: the record type's JSON is the record

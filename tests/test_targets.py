@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from projection import hlo, targets
 
@@ -17,8 +18,11 @@ pytestmark = pytest.mark.skipif(not _OK, reason=f"no deviceless CUDA: {_WHY}")
 
 def _mesh(hardware, nodes=2, gpus_per_node=4):
   devices = targets.target_devices(hardware, nodes, gpus_per_node)
-  return Mesh(np.array(devices).reshape(nodes, gpus_per_node), ("node", "gpu"),
-              axis_types=(AxisType.Auto, AxisType.Auto))
+  return Mesh(
+    np.array(devices).reshape(nodes, gpus_per_node),
+    ("node", "gpu"),
+    axis_types=(AxisType.Auto, AxisType.Auto),
+  )
 
 
 def _sharded_matmul(mesh, m=512, k=1024, n=256):
@@ -64,12 +68,13 @@ def test_gpu_layer_scan_trip_count_and_collectives_per_layer():
     return jax.lax.scan(lambda c, w: (jax.nn.relu(c @ w), None), x, ws)[0].sum()
 
   x = jax.ShapeDtypeStruct((batch, d), jnp.bfloat16, sharding=NamedSharding(mesh, P("node")))
-  ws = jax.ShapeDtypeStruct((layers, d, d), jnp.bfloat16,
-                            sharding=NamedSharding(mesh, P(None, "gpu", None)))
+  ws = jax.ShapeDtypeStruct(
+    (layers, d, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "gpu", None))
+  )
   program = hlo.analyze(jax.jit(jax.grad(step, argnums=1)).lower(x, ws).compile().as_text())
   loops = [n for n in program.entry if isinstance(n, hlo.Loop)]
-  assert loops and all(l.trip_count == layers for l in loops)
-  assert all(l.trip_count_source == "backend_config" for l in loops)
+  assert loops and all(loop.trip_count == layers for loop in loops)
+  assert all(loop.trip_count_source == "backend_config" for loop in loops)
   # Forward, input-gradient and weight-gradient matmul of every layer, split 8 ways.
   assert hlo.dot_flops(program) == layers * 3 * 2 * batch * d * d / 8
   assert any(m == layers for _, m in hlo.collectives(program))

@@ -14,10 +14,10 @@ from train import data, loop
 from train import step as train_step
 from train.config import TrainConfig
 
-MODEL = ModelConfig(num_layers=2, d_model=64, num_heads=4, head_dim=16, seq_len=32,
-                    vocab_size=200)
-TRAIN = TrainConfig(global_batch=8, steps=3, warmup_steps=0, task="learnable",
-                    learning_rate=1e-2, lr_warmup_steps=1)
+MODEL = ModelConfig(num_layers=2, d_model=64, num_heads=4, head_dim=16, seq_len=32, vocab_size=200)
+TRAIN = TrainConfig(
+  global_batch=8, steps=3, warmup_steps=0, task="learnable", learning_rate=1e-2, lr_warmup_steps=1
+)
 # float32 throughout; sharded reductions sum in a different order than one device, a
 # relative 1e-7 per sum of at most a few hundred terms. Adam steps carry that into the
 # parameters (O(1e-2) updates, normalised per entry by the gradient's size): rtol for the
@@ -33,8 +33,9 @@ def _program(mesh_cfg: MeshConfig, devices: int, model=MODEL, train=TRAIN):
 def _train(program, steps: int):
   state, losses = program.init(), []
   for i in range(steps):
-    batch = data.batch(TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, MODEL.seq_len,
-                       MODEL.vocab_size)
+    batch = data.batch(
+      TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, MODEL.seq_len, MODEL.vocab_size
+    )
     state, metrics = program.step(state, jax.device_put(batch, program.batch_sharding))
     losses.append(float(metrics["loss"]))
   return losses, jax.tree.map(np.asarray, state.params)
@@ -45,19 +46,24 @@ def single_device():
   return _train(_program(MeshConfig(data=1), 1), steps=3)
 
 
-@pytest.mark.parametrize("mesh_cfg, micro_batch, shard_optimizer", [
+@pytest.mark.parametrize(
+  "mesh_cfg, micro_batch, shard_optimizer",
+  [
     (MeshConfig(data=8, fsdp=1, tensor=1), 0, False),
     (MeshConfig(data=1, fsdp=8, tensor=1), 0, False),
     (MeshConfig(data=2, fsdp=1, tensor=4), 0, True),
     (MeshConfig(data=2, fsdp=2, tensor=2), 1, False),
-], ids=["data8", "fsdp8", "data2-tensor4-sharded-optimizer", "2x2x2-micro-batches"])
+  ],
+  ids=["data8", "fsdp8", "data2-tensor4-sharded-optimizer", "2x2x2-micro-batches"],
+)
 def test_sharded_step_matches_one_device(mesh_cfg, micro_batch, shard_optimizer, single_device):
   losses_1, params_1 = single_device
   train = dataclasses.replace(TRAIN, micro_batch=micro_batch, shard_optimizer=shard_optimizer)
   losses_8, params_8 = _train(_program(mesh_cfg, 8, train=train), steps=3)
   np.testing.assert_allclose(losses_8, losses_1, rtol=RTOL)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
-               params_8, params_1)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params_8, params_1
+  )
 
 
 def test_compiled_step_keeps_the_rule_shardings():
@@ -83,7 +89,8 @@ def test_sharded_optimizer_splits_each_moment_over_data_along_its_largest_dimens
   assert adam.mu["layers"]["fc1_kernel"].sharding.spec == P(None, "fsdp", ("tensor", "data"))
   assert adam.nu["wte"].sharding.spec == P(("tensor", "data"), "fsdp")
   assert program.abstract_state.params["layers"]["fc1_kernel"].sharding.spec == P(
-      None, "fsdp", "tensor")
+    None, "fsdp", "tensor"
+  )
 
 
 def test_loss_falls_on_the_learnable_task():
@@ -101,11 +108,17 @@ def test_training_is_deterministic_for_a_seed():
 
 
 def test_batch_must_divide_over_data_parallel_axes():
-  with pytest.raises(UserInputError, match="train.global_batch = 6 does not divide over mesh data x fsdp = 4"):
-    _program(MeshConfig(data=2, fsdp=2, tensor=2), 8, train=dataclasses.replace(TRAIN, global_batch=6))
+  with pytest.raises(
+    UserInputError, match="train.global_batch = 6 does not divide over mesh data x fsdp = 4"
+  ):
+    _program(
+      MeshConfig(data=2, fsdp=2, tensor=2), 8, train=dataclasses.replace(TRAIN, global_batch=6)
+    )
 
 
 def test_heads_must_divide_over_tensor():
   model = dataclasses.replace(MODEL, num_heads=2, head_dim=32)
-  with pytest.raises(UserInputError, match="model.num_heads = 2 does not divide over mesh tensor = 4"):
+  with pytest.raises(
+    UserInputError, match="model.num_heads = 2 does not divide over mesh tensor = 4"
+  ):
     _program(MeshConfig(data=2, fsdp=1, tensor=4), 8, model=model)

@@ -56,12 +56,12 @@ def check(input_name: str, output: str) -> None:
       raise UserInputError(f"--input: empty; name a UTF-8 text file or {PYTHON_DOCS}")
     if not os.path.isfile(input_name):
       what = "a directory" if os.path.isdir(input_name) else "no such file"
-      raise UserInputError(f"--input {input_name}: {what}; name a UTF-8 text file or "
-                           f"{PYTHON_DOCS}")
+      raise UserInputError(f"--input {input_name}: {what}; name a UTF-8 text file or {PYTHON_DOCS}")
     for written in (output, f"{output}.json"):
       if _same_file(input_name, written):
-        raise UserInputError(f"--output {output} would overwrite the input {input_name}; "
-                             f"choose another output")
+        raise UserInputError(
+          f"--output {output} would overwrite the input {input_name}; choose another output"
+        )
   if os.path.isdir(output):
     raise UserInputError(f"--output {output} is a directory; name a file")
   parent = os.path.dirname(os.path.abspath(output))

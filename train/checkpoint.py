@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 
 from errors import UserInputError
@@ -49,15 +49,17 @@ class NonFiniteState(Exception):
   """The state to be saved holds a NaN or an infinity: it was not saved."""
 
   def __init__(self, step: int):
-    super().__init__(f"the state after step {step - 1} has a non-finite parameter or "
-                     f"optimizer moment")
+    super().__init__(
+      f"the state after step {step - 1} has a non-finite parameter or optimizer moment"
+    )
     self.step = step
 
 
 @jax.jit
 def _all_finite(tree) -> jax.Array:
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  checks = [
+    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
   return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
@@ -216,8 +218,9 @@ class Checkpoints:
       if name not in saved or name not in wanted:
         problem = f"{name} is {'missing from it' if name in wanted else 'not in the model'}"
       elif tuple(saved[name].shape) != tuple(wanted[name].shape):
-        problem = f"{name} has shape {tuple(saved[name].shape)}, the model's is " \
-                  f"{tuple(wanted[name].shape)}"
+        problem = (
+          f"{name} has shape {tuple(saved[name].shape)}, the model's is {tuple(wanted[name].shape)}"
+        )
       elif np.dtype(saved[name].dtype) != np.dtype(wanted[name].dtype):
         problem = f"{name} is {saved[name].dtype}, the model's is {wanted[name].dtype}"
       if problem:

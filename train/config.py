@@ -11,7 +11,7 @@ PIPELINE_SCHEDULES = ("gpipe", "interleaved", "1f1b")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  global_batch: int = 16        # sequences per step, over all devices
+  global_batch: int = 16  # sequences per step, over all devices
   # Sequences per data-parallel replica in one micro-batch; the replica's share of the
   # global batch runs as micro-batches in sequence, gradients summed (activation memory
   # of one micro-batch at the cost of a loop). 0: the whole share at once.
@@ -37,12 +37,12 @@ class TrainConfig:
   # parameters all-gathered, instead of all-reduced gradients). With model.fp8 the
   # matmul kernels are split too, and their FP8 casts all-gathered (train/step.py).
   shard_optimizer: bool = False
-  steps: int = 10               # timed / trained steps
-  warmup_steps: int = 2         # excluded from timing (compilation caches, allocators)
+  steps: int = 10  # timed / trained steps
+  warmup_steps: int = 2  # excluded from timing (compilation caches, allocators)
   learning_rate: float = 3e-4
   lr_warmup_steps: int = 2
-  lr_decay_steps: int = 0       # 0: decay over `steps`
-  min_lr_ratio: float = 0.1     # GPT-3 decays to 10% of the peak rate
+  lr_decay_steps: int = 0  # 0: decay over `steps`
+  min_lr_ratio: float = 0.1  # GPT-3 decays to 10% of the peak rate
   weight_decay: float = 0.1
   beta1: float = 0.9
   beta2: float = 0.95
@@ -51,32 +51,46 @@ class TrainConfig:
   seed: int = 0
   # synthetic: uniform random tokens; learnable: see train/data.py; tokens: a token file
   task: str = "synthetic"
-  data_path: str = ""           # tokens: a flat binary of uint16 ids (train/token_data.py)
+  data_path: str = ""  # tokens: a flat binary of uint16 ids (train/token_data.py)
 
   def validate(self) -> None:
     for field in ("global_batch", "steps"):
       if getattr(self, field) < 1:
-        raise UserInputError(f"train.{field} must be a positive integer, got {getattr(self, field)}")
+        raise UserInputError(
+          f"train.{field} must be a positive integer, got {getattr(self, field)}"
+        )
     for field in ("micro_batch", "warmup_steps", "lr_warmup_steps", "lr_decay_steps"):
       if getattr(self, field) < 0:
         raise UserInputError(f"train.{field} must be >= 0, got {getattr(self, field)}")
     if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-      raise UserInputError(f"train.pipeline_schedule must be one of "
-                           f"{', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
+      raise UserInputError(
+        f"train.pipeline_schedule must be one of "
+        f"{', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}"
+      )
     if self.pipeline_passes < 0:
-      raise UserInputError(f"train.pipeline_passes must be >= 0 (0: as 1F1B keeps in flight), "
-                           f"got {self.pipeline_passes}")
+      raise UserInputError(
+        f"train.pipeline_passes must be >= 0 (0: as 1F1B keeps in flight), "
+        f"got {self.pipeline_passes}"
+      )
     if self.virtual_stages < 1:
-      raise UserInputError(f"train.virtual_stages must be a positive integer, got {self.virtual_stages}")
+      raise UserInputError(
+        f"train.virtual_stages must be a positive integer, got {self.virtual_stages}"
+      )
     if self.pipeline_schedule == "gpipe" and self.virtual_stages != 1:
-      raise UserInputError(f"train.virtual_stages must be 1 with the gpipe schedule, got "
-                           f"{self.virtual_stages} (interleaved takes more)")
+      raise UserInputError(
+        f"train.virtual_stages must be 1 with the gpipe schedule, got "
+        f"{self.virtual_stages} (interleaved takes more)"
+      )
     if self.pipeline_schedule == "interleaved" and self.virtual_stages < 2:
-      raise UserInputError(f"train.virtual_stages must be at least 2 with the interleaved "
-                           f"schedule, got {self.virtual_stages} (1 is gpipe)")
+      raise UserInputError(
+        f"train.virtual_stages must be at least 2 with the interleaved "
+        f"schedule, got {self.virtual_stages} (1 is gpipe)"
+      )
     if self.pipeline_schedule == "1f1b" and self.pipeline_passes > 1:
-      raise UserInputError(f"train.pipeline_passes must be 0 or 1 with the 1f1b schedule, got "
-                           f"{self.pipeline_passes} (it keeps only what is in flight anyway)")
+      raise UserInputError(
+        f"train.pipeline_passes must be 0 or 1 with the 1f1b schedule, got "
+        f"{self.pipeline_passes} (it keeps only what is in flight anyway)"
+      )
     if self.task not in TASKS:
       raise UserInputError(f"train.task must be one of {', '.join(TASKS)}, got {self.task!r}")
     if self.task == "tokens" and not self.data_path:
@@ -88,13 +102,15 @@ class TrainConfig:
   def _validate_optimizer(self) -> None:
     """Values that parse but cannot train: each would give NaNs or no update at all."""
     # (field, lowest, lowest allowed itself, highest, highest allowed itself)
-    ranges = (("learning_rate", 0, False, math.inf, False),
-              ("beta1", 0, True, 1, False),
-              ("beta2", 0, True, 1, False),
-              ("eps", 0, False, math.inf, False),
-              ("weight_decay", 0, True, math.inf, False),
-              ("grad_clip", 0, False, math.inf, False),
-              ("min_lr_ratio", 0, True, 1, True))
+    ranges = (
+      ("learning_rate", 0, False, math.inf, False),
+      ("beta1", 0, True, 1, False),
+      ("beta2", 0, True, 1, False),
+      ("eps", 0, False, math.inf, False),
+      ("weight_decay", 0, True, math.inf, False),
+      ("grad_clip", 0, False, math.inf, False),
+      ("min_lr_ratio", 0, True, 1, True),
+    )
     for field, low, low_ok, high, high_ok in ranges:
       value = getattr(self, field)
       above = value >= low if low_ok else value > low
@@ -102,5 +118,6 @@ class TrainConfig:
       if not (math.isfinite(value) and above and below):
         left, right = "[" if low_ok else "(", "]" if high_ok else ")"
         high_text = "inf" if high == math.inf else high
-        raise UserInputError(f"train.{field} must be a finite number in {left}{low}, "
-                             f"{high_text}{right}, got {value}")
+        raise UserInputError(
+          f"train.{field} must be a finite number in {left}{low}, {high_text}{right}, got {value}"
+        )

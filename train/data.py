@@ -11,8 +11,9 @@ import numpy as np
 _STRIDES = (1, 2, 3, 5)
 
 
-def batch(task: str, seed: int, step: int, global_batch: int, seq_len: int,
-          vocab_size: int) -> dict[str, np.ndarray]:
+def batch(
+  task: str, seed: int, step: int, global_batch: int, seq_len: int, vocab_size: int
+) -> dict[str, np.ndarray]:
   """{'inputs', 'targets'}: int32 [global_batch, seq_len], targets shifted by one."""
   rng = np.random.default_rng([seed, step])
   if task == "synthetic":

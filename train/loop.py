@@ -33,15 +33,19 @@ from train.step import TrainProgram
 class RunResult:
   lower_s: float
   compile_s: float
-  step_times_s: list[float]     # timed steps only
-  losses: list[float]           # every step this process ran, warm-up included
+  step_times_s: list[float]  # timed steps only
+  losses: list[float]  # every step this process ran, warm-up included
   final_state: object
-  first_step: int = 0           # > 0: resumed from the checkpoint of this step
+  first_step: int = 0  # > 0: resumed from the checkpoint of this step
 
 
-def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
-        checkpoints: Checkpoints | None = None,
-        hooks: Sequence[StepHook] = ()) -> RunResult:
+def run(
+  program: TrainProgram,
+  model_cfg: ModelConfig,
+  train_cfg: TrainConfig,
+  checkpoints: Checkpoints | None = None,
+  hooks: Sequence[StepHook] = (),
+) -> RunResult:
   B, T = train_cfg.global_batch, model_cfg.seq_len
   # Hooks and checkpoints close on every exit (a run stopped by a signal or a bad loss
   # keeps its scalars; orbax's threads end before the interpreter does).
@@ -72,8 +76,9 @@ def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
           step_times.append(elapsed)
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
-          raise RunStopped(_stopped(f"loss is {loss} at step {step}", checkpoints,
-                                    "the bad step was not saved"), 1)
+          raise RunStopped(
+            _stopped(f"loss is {loss} at step {step}", checkpoints, "the bad step was not saved"), 1
+          )
         losses.append(loss)
         for hook in hooks:
           hook.after_step(step, metrics, elapsed)
@@ -82,12 +87,16 @@ def run(program: TrainProgram, model_cfg: ModelConfig, train_cfg: TrainConfig,
           try:
             checkpoints.save(step + 1, state, batches, force=bool(signum) or step + 1 == total)
           except NonFiniteState as e:
-            raise RunStopped(_stopped(f"{e}", checkpoints, "the bad state was not saved"),
-                             1) from None
+            raise RunStopped(
+              _stopped(f"{e}", checkpoints, "the bad state was not saved"), 1
+            ) from None
         if signum:
-          raise RunStopped(_stopped(f"signal {signum} after step {step}", checkpoints,
-                                    "rerun the same command to resume"),
-                           preemption.EXIT_CODE_BASE + signum)
+          raise RunStopped(
+            _stopped(
+              f"signal {signum} after step {step}", checkpoints, "rerun the same command to resume"
+            ),
+            preemption.EXIT_CODE_BASE + signum,
+          )
       if checkpoints:
         checkpoints.close()  # inside: a signal while the last save finishes is ignored
   finally:
@@ -121,21 +130,26 @@ def measure_matmul_tflops(dtype: str = "float32", n: int = 2048, repeats: int = 
   return 2 * n**3 / best / 1e12
 
 
-def summarize(result: RunResult, tokens_per_step: int, devices: int,
-              flops_per_token: float, peak_tflops_per_device: float) -> dict:
+def summarize(
+  result: RunResult,
+  tokens_per_step: int,
+  devices: int,
+  flops_per_token: float,
+  peak_tflops_per_device: float,
+) -> dict:
   """Step-time statistics and throughput; MFU is model FLOP/s over peak."""
   times = np.asarray(result.step_times_s)
   median = float(np.median(times))
   tokens_per_s = tokens_per_step / median
   model_tflops_per_device = tokens_per_s * flops_per_token / devices / 1e12
   return {
-      "compile_s": round(result.lower_s + result.compile_s, 3),
-      "lower_s": round(result.lower_s, 3),
-      "step_time_s": median,
-      "step_time_p90_s": float(np.percentile(times, 90)),
-      "tokens_per_s": tokens_per_s,
-      "tokens_per_s_per_device": tokens_per_s / devices,
-      "model_tflops_per_device": model_tflops_per_device,
-      "peak_tflops_per_device": peak_tflops_per_device,
-      "mfu": model_tflops_per_device / peak_tflops_per_device,
+    "compile_s": round(result.lower_s + result.compile_s, 3),
+    "lower_s": round(result.lower_s, 3),
+    "step_time_s": median,
+    "step_time_p90_s": float(np.percentile(times, 90)),
+    "tokens_per_s": tokens_per_s,
+    "tokens_per_s_per_device": tokens_per_s / devices,
+    "model_tflops_per_device": model_tflops_per_device,
+    "peak_tflops_per_device": peak_tflops_per_device,
+    "mfu": model_tflops_per_device / peak_tflops_per_device,
   }

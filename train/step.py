@@ -19,17 +19,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from errors import UserInputError
-from model.config import ModelConfig
 from model import fp8
+from model.config import ModelConfig
 from model.gpt import GPT, kernels, residual_axes, run_layers
 from parallelism import context, gradients, pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
 
+
 class TrainState(NamedTuple):
-  step: jax.Array       # int32 scalar
-  params: nnx.State     # model parameters, NNX variables carrying logical axes
-  opt_state: Any        # optax state; its moments mirror `params`
+  step: jax.Array  # int32 scalar
+  params: nnx.State  # model parameters, NNX variables carrying logical axes
+  opt_state: Any  # optax state; its moments mirror `params`
   # FP8 delayed scaling: {kernel: fp8.AmaxHistory [L, 2, N]}, the layers in the stack's
   # order; empty otherwise.
   fp8_history: dict
@@ -43,12 +44,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
   """Everything needed to initialise, lower and run the train step on one mesh."""
+
   mesh: Mesh
-  init: Callable[[], TrainState]                  # jitted, sharded initialisation
+  init: Callable[[], TrainState]  # jitted, sharded initialisation
   step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # jitted train step
-  abstract_state: TrainState                      # shapes + shardings, nothing allocated
+  abstract_state: TrainState  # shapes + shardings, nothing allocated
   batch_sharding: NamedSharding
-  micro_batches: int = 1          # per data-parallel replica: accumulated, or pipelined
+  micro_batches: int = 1  # per data-parallel replica: accumulated, or pipelined
 
   def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     shape = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -77,7 +79,8 @@ def loss_pieces(model_cfg: ModelConfig, graphdef: nnx.GraphDef) -> gradients.Los
     join_params=lambda rest, layers: nnx.State({**rest, "layers": layers}),
     split_stack=fp8.split_casts,
     join_stack=fp8.with_casts,
-    activation_axes=residual_axes(model_cfg))
+    activation_axes=residual_axes(model_cfg),
+  )
 
 
 def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainProgram:
@@ -89,8 +92,10 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
   stages, virtual = mesh.shape[pipeline.MESH_AXIS], train_cfg.virtual_stages
   pipelined = stages > 1
   if model_cfg.sequence_parallel and model_cfg.seq_len % mesh.shape["tensor"]:
-    raise UserInputError(f"model.seq_len = {model_cfg.seq_len} does not divide over mesh tensor "
-                         f"= {mesh.shape['tensor']} (model.sequence_parallel)")
+    raise UserInputError(
+      f"model.seq_len = {model_cfg.seq_len} does not divide over mesh tensor "
+      f"= {mesh.shape['tensor']} (model.sequence_parallel)"
+    )
 
   model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
@@ -103,36 +108,58 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     if model_cfg.delayed_scaling:
       stack_axis = "stage" if pipelined else "layers"
       # Pipelined, one history per stored row (an uneven split's padding included).
-      rows = pipeline.stack_rows(model_cfg.num_layers, stages, virtual) if pipelined else (
-        model_cfg.num_layers)
-      history = {name: fp8.new_history(rows, model_cfg.fp8_amax_history,
-                                       stack_axis) for name in kernels(model_cfg)}
+      rows = (
+        pipeline.stack_rows(model_cfg.num_layers, stages, virtual)
+        if pipelined
+        else (model_cfg.num_layers)
+      )
+      history = {
+        name: fp8.new_history(rows, model_cfg.fp8_amax_history, stack_axis)
+        for name in kernels(model_cfg)
+      }
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), history)
 
   data_ways = sharding.data_parallel_ways(mesh)
   if train_cfg.global_batch % data_ways:
-    raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
-                         f"mesh data x fsdp = {data_ways}")
+    raise UserInputError(
+      f"train.global_batch = {train_cfg.global_batch} does not divide over "
+      f"mesh data x fsdp = {data_ways}"
+    )
   per_replica = train_cfg.global_batch // data_ways
   if train_cfg.micro_batch and per_replica % train_cfg.micro_batch:
-    raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
-                         f"{per_replica} sequences per data-parallel replica")
+    raise UserInputError(
+      f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
+      f"{per_replica} sequences per data-parallel replica"
+    )
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
-  plan = gradients.plan(model_cfg.num_layers, stages, virtual, mesh.shape["data"],
-                        micro_batches, train_cfg.pipeline_schedule, train_cfg.pipeline_passes)
+  plan = gradients.plan(
+    model_cfg.num_layers,
+    stages,
+    virtual,
+    mesh.shape["data"],
+    micro_batches,
+    train_cfg.pipeline_schedule,
+    train_cfg.pipeline_passes,
+  )
   abstract = jax.eval_shape(init)
   sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
   if train_cfg.shard_optimizer:
     state_shardings = state_shardings._replace(
-        opt_state=sharding.over_data(abstract.opt_state, mesh))
+      opt_state=sharding.over_data(abstract.opt_state, mesh)
+    )
     if model_cfg.fp8:
       # The FP8 matmuls' kernels are kept split over `data` like their moments: the
       # forward reads only their casts, which each step all-gathers in FP8 (half the bytes
       # of gathering the updated bfloat16 kernels; Megatron's --fp8-param-gather).
       params = state_shardings.params
-      layers = {**params["layers"], **{name: sharding.over_data(abstract.params["layers"][name],
-                                                                mesh) for name in kernels(model_cfg)}}
+      layers = {
+        **params["layers"],
+        **{
+          name: sharding.over_data(abstract.params["layers"][name], mesh)
+          for name in kernels(model_cfg)
+        },
+      }
       state_shardings = state_shardings._replace(params=type(params)({**params, "layers": layers}))
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
   batch_sharding = sharding.batch_sharding(mesh)
@@ -147,19 +174,30 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     loss, (grads, amaxes) = loss_and_grads(state.params, scales, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-               "learning_rate": schedule(state.step)}
-    history = {name: state.fp8_history[name].replace(fp8.record(h, amaxes[name]))
-               for name, h in history.items()}
+    metrics = {
+      "loss": loss,
+      "grad_norm": optax.tree.norm(grads),
+      "learning_rate": schedule(state.step),
+    }
+    history = {
+      name: state.fp8_history[name].replace(fp8.record(h, amaxes[name]))
+      for name, h in history.items()
+    }
     return TrainState(state.step + 1, params, opt_state, history), metrics
 
   abstract_state = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
+  )
   return TrainProgram(
-      mesh=mesh,
-      init=jax.jit(init, out_shardings=state_shardings),
-      step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                   out_shardings=(state_shardings, replicated), donate_argnums=0),
-      abstract_state=abstract_state,
-      batch_sharding=batch_sharding,
-      micro_batches=plan.micro_batches)
+    mesh=mesh,
+    init=jax.jit(init, out_shardings=state_shardings),
+    step=jax.jit(
+      train_step,
+      in_shardings=(state_shardings, batch_sharding),
+      out_shardings=(state_shardings, replicated),
+      donate_argnums=0,
+    ),
+    abstract_state=abstract_state,
+    batch_sharding=batch_sharding,
+    micro_batches=plan.micro_batches,
+  )

@@ -20,10 +20,14 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from errors import UserInputError
+
+if TYPE_CHECKING:  # grain is imported where it is used: a GPU image may lack it
+  import grain
 
 TOKEN_DTYPE = np.uint16
 BYTE_VOCAB_SIZE = 256
@@ -78,11 +82,14 @@ def _description(path: str, tokens: int) -> dict | None:
   if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
     raise UserInputError(f"train.data_path: {meta_path} has no positive whole vocab_size")
   if meta.get("dtype", "uint16") != "uint16":
-    raise UserInputError(f"train.data_path: {meta_path} says dtype {meta['dtype']!r}; token "
-                         f"files are uint16")
+    raise UserInputError(
+      f"train.data_path: {meta_path} says dtype {meta['dtype']!r}; token files are uint16"
+    )
   if "tokens" in meta and meta["tokens"] != tokens:
-    raise UserInputError(f"train.data_path: {meta_path} says {meta['tokens']} tokens, {path} "
-                         f"holds {tokens} (an incomplete write?)")
+    raise UserInputError(
+      f"train.data_path: {meta_path} says {meta['tokens']} tokens, {path} "
+      f"holds {tokens} (an incomplete write?)"
+    )
   return meta
 
 
@@ -101,8 +108,10 @@ def check_file(path: str, model_vocab_size: int) -> np.ndarray:
   if size == 0:
     raise UserInputError(f"train.data_path: {path} is empty")
   if size % np.dtype(TOKEN_DTYPE).itemsize:
-    raise UserInputError(f"train.data_path: {path} has {size:,} bytes, not a whole number of "
-                         f"2-byte uint16 ids (truncated, or not a token file)")
+    raise UserInputError(
+      f"train.data_path: {path} has {size:,} bytes, not a whole number of "
+      f"2-byte uint16 ids (truncated, or not a token file)"
+    )
   meta = _description(path, size // np.dtype(TOKEN_DTYPE).itemsize)
   if meta is not None and meta["vocab_size"] > model_vocab_size:
     raise UserInputError(
@@ -116,9 +125,11 @@ def check_file(path: str, model_vocab_size: int) -> np.ndarray:
     raise UserInputError(f"train.data_path: {path} cannot be read ({e.strerror})") from None
   if largest >= model_vocab_size:
     position = int(np.argmax(tokens >= model_vocab_size))
-    raise UserInputError(f"train.data_path: {path} holds token id {largest} (first beyond "
-                         f"the vocabulary at position {position:,}), outside model.vocab_size "
-                         f"= {model_vocab_size}")
+    raise UserInputError(
+      f"train.data_path: {path} holds token id {largest} (first beyond "
+      f"the vocabulary at position {position:,}), outside model.vocab_size "
+      f"= {model_vocab_size}"
+    )
   return tokens
 
 
