@@ -1,6 +1,9 @@
 """The train step measured on this machine's GPU beside the projection of the same
 compiled step onto that GPU's catalog entry: one command for a lent single-GPU machine.
 
+Its length (over 400 lines) is the trace reader and the tables; both serve only this check,
+which runs as one prepared command on a machine lent for minutes, so they stay beside it.
+
 For each configuration in CONFIGS (each loads a different part of the cost model: a
 matmul-bound GPT-3 1.3B, a small model whose attention scores go through HBM, full
 remat, FP8) this

@@ -37,10 +37,6 @@ def encode_bytes(text: str) -> np.ndarray:
   return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(TOKEN_DTYPE)
 
 
-def decode_bytes(tokens: Sequence[int]) -> str:
-  return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
 def write(path: str, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
   """Write the token file and its JSON description."""
   if tokens.size and int(tokens.max()) >= vocab_size:
