@@ -36,17 +36,20 @@ from train import step as train_step
 # (how hard LLVM and ptxas optimize it), never the optimized HLO, its schedule or its
 # buffer assignment (checked: identical HLO text and memory analysis for GPT-3 175B on
 # H100), and the projection never runs that code; they cut a 175B compile by a quarter.
-FAST_BACKEND = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_gpu_disable_gpuasm_optimizations": True}
+FAST_BACKEND = {
+  "xla_backend_optimization_level": 0,
+  "xla_llvm_disable_expensive_passes": True,
+  "xla_gpu_disable_gpuasm_optimizations": True,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
   program: hlo.Program
   memory_per_device_bytes: int
-  compile_target: str          # "cuda" or "host"
+  compile_target: str  # "cuda" or "host"
   compile_s: float
-  note: str                    # why the host was used, when it was
+  note: str  # why the host was used, when it was
   # Of memory_per_device_bytes, the train state split over `data` (train.shard_optimizer):
   # the part that shrinks as the data axis grows from the reduced mesh to the target.
   data_sharded_state_bytes: int = 0
@@ -62,21 +65,29 @@ def _compile_devices(hw_name: str, devices: int, gpus_per_node: int) -> tuple[li
     reason = f"no CUDA target config for {hw_name}"
   host = jax.devices("cpu")
   if len(host) < devices:
-    raise UserInputError(f"--gpus: the reduced mesh needs {devices} host CPU devices to compile "
-                         f"on and only {len(host)} exist ({reason})")
+    raise UserInputError(
+      f"--gpus: the reduced mesh needs {devices} host CPU devices to compile "
+      f"on and only {len(host)} exist ({reason})"
+    )
   return host[:devices], "host", reason
 
 
 @functools.lru_cache(maxsize=64)
-def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_name: str,
-                 gpus_per_node: int, profile: tuple[tuple[str, float], ...] = ()
-                 ) -> CompiledStep:
+def compile_step(
+  model_cfg,
+  train_cfg,
+  sizes: tuple[tuple[str, int], ...],
+  hw_name: str,
+  gpus_per_node: int,
+  profile: tuple[tuple[str, float], ...] = (),
+) -> CompiledStep:
   """The train step compiled for `sizes` on `hw_name`; with a latency `profile`
   (latency_profile) XLA's scheduler plans with those durations (CUDA targets only)."""
   shape = [dict(sizes)[a] for a in AXES]
   devices, target, note = _compile_devices(hw_name, math.prod(shape), gpus_per_node)
-  mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES,
-              axis_types=(AxisType.Auto,) * len(AXES))
+  mesh = Mesh(
+    np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES)
+  )
   start = time.perf_counter()
   options, cudnn = None, contextlib.nullcontext()
   if target == "cuda":
@@ -98,16 +109,26 @@ def compile_step(model_cfg, train_cfg, sizes: tuple[tuple[str, int], ...], hw_na
     lowered = program.lower(train_cfg.global_batch, model_cfg.seq_len)
     compiled = lowered.compile(compiler_options=options)
   memory = compiled.memory_analysis()
-  per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  per_device = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
   analysis = hlo.analyze(compiled.as_text())
-  return CompiledStep(analysis, per_device, target, time.perf_counter() - start, note,
-                      sharding.bytes_per_device(program.abstract_state, split_over="data"))
+  return CompiledStep(
+    analysis,
+    per_device,
+    target,
+    time.perf_counter() - start,
+    note,
+    sharding.bytes_per_device(program.abstract_state, split_over="data"),
+  )
 
 
-def latency_profile(program: hlo.Program, hw: Hardware,
-                    collective_s: Callable[[hlo.Collective], float]
-                    ) -> tuple[tuple[str, float], ...]:
+def latency_profile(
+  program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Collective], float]
+) -> tuple[tuple[str, float], ...]:
   """(instruction, microseconds) for every kernel and collective of `program` on `hw`: the
   profile a tuned run gives XLA's scheduler.
 
@@ -137,8 +158,9 @@ def _profile_file(profile: tuple[tuple[str, float], ...]):
   path = os.path.join(directory, "profile.pbtxt")
   try:
     with open(path, "w") as f:
-      f.writelines(f'costs {{ name: "{name}" cost_us: {cost_us:.4f} }}\n'
-                   for name, cost_us in profile)
+      f.writelines(
+        f'costs {{ name: "{name}" cost_us: {cost_us:.4f} }}\n' for name, cost_us in profile
+      )
     yield path
   finally:
     shutil.rmtree(directory, ignore_errors=True)
@@ -161,13 +183,16 @@ def _scheduler_memory(hw_name: str, io_bytes: int) -> dict:
   default_limit = 0.8 * device_bytes - io_bytes
   if default_limit <= 0:
     return {}
-  return {"xla_gpu_memory_limit_slop_factor":
-          max(95, math.ceil(100 * (device_bytes - io_bytes) / default_limit))}
+  return {
+    "xla_gpu_memory_limit_slop_factor": max(
+      95, math.ceil(100 * (device_bytes - io_bytes) / default_limit)
+    )
+  }
 
 
-def compiled_program(exp, hw: Hardware, reduced: layout.ReducedMesh,
-                     collective_s: Callable[[hlo.Collective], float]
-                     ) -> tuple[CompiledStep, float]:
+def compiled_program(
+  exp, hw: Hardware, reduced: layout.ReducedMesh, collective_s: Callable[[hlo.Collective], float]
+) -> tuple[CompiledStep, float]:
   """The step the projection costs, and the seconds its compiles took: compiled as
   `reduced` says, then, with exp.latency_profile on a CUDA target, compiled again with the
   latency profile of that program on `hw`."""

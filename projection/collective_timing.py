@@ -10,8 +10,9 @@ from hardware.catalog import Hardware
 from projection import collectives, cost_model, hlo, hlo_text, layout
 
 
-def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
-                      ) -> Callable[[hlo.Collective], float]:
+def collective_timer(
+  reduced: layout.ReducedMesh, hw: Hardware
+) -> Callable[[hlo.Collective], float]:
   """Seconds for one compiled collective on the target: its slowest replica group's time.
   Placements and times are cached: a program repeats a few collectives many times."""
   domains_of: dict[hlo_text.Groups, list[tuple[int, ...]]] = {}
@@ -28,16 +29,21 @@ def collective_timer(reduced: layout.ReducedMesh, hw: Hardware
     # whose output is the whole parameter at any data size.
     key = (node.kind, node.bytes, groups, node.operands)
     if key not in times:
-      times[key] = max(collectives.collective_time_s(node.kind, node.bytes, group, hw,
-                                                     node.operands)
-                       for group in domains_of[groups])
+      times[key] = max(
+        collectives.collective_time_s(node.kind, node.bytes, group, hw, node.operands)
+        for group in domains_of[groups]
+      )
     return times[key]
 
   return time_s
 
 
-def exposed_comm_by_axis_s(program: hlo.Program, hw: Hardware, reduced: layout.ReducedMesh,
-                           collective_s: Callable[[hlo.Collective], float]) -> dict[str, float]:
+def exposed_comm_by_axis_s(
+  program: hlo.Program,
+  hw: Hardware,
+  reduced: layout.ReducedMesh,
+  collective_s: Callable[[hlo.Collective], float],
+) -> dict[str, float]:
   """Exposed communication by the mesh axes its collectives run along: how much shorter
   the step would be if that axis's collectives were free (the parts need not add up to
   exposed_comm_s: one collective can hide behind another)."""

@@ -42,36 +42,94 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Union
 
 from projection import hlo_text
-from projection.hlo_text import (Computation, Groups, Instr, arrays, backend_json, bytes_of,
-                                 dtype_of, elements, ints, parse_module, parse_replica_groups)
-
+from projection.hlo_text import (
+  Computation,
+  Groups,
+  Instr,
+  arrays,
+  backend_json,
+  bytes_of,
+  dtype_of,
+  elements,
+  ints,
+  parse_module,
+  parse_replica_groups,
+)
 
 # Ops that move no data through HBM and compute nothing: bookkeeping only.
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-         "partition-id", "replica-id", "opt-barrier", "optimization-barrier", "add-dependency",
-         "domain", "get-dimension-size", "async-update", "async-done", "copy-done"}
+_FREE = {
+  "parameter",
+  "constant",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "after-all",
+  "partition-id",
+  "replica-id",
+  "opt-barrier",
+  "optimization-barrier",
+  "add-dependency",
+  "domain",
+  "get-dimension-size",
+  "async-update",
+  "async-done",
+  "copy-done",
+}
 # Ops that compute nothing (0 FLOPs) but may move data.
-_NO_FLOPS = _FREE | {"copy", "copy-start", "reshape", "broadcast", "transpose",
-                     "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
-                     "gather", "scatter", "iota", "reverse", "sort", "custom-call", "send",
-                     "recv", "send-done", "recv-done", "bitcast-convert", "infeed", "outfeed",
-                     "rng-get-and-update-state", "while", "call", "conditional", "async-start"}
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-                "collective-permute", "collective-broadcast")
+_NO_FLOPS = _FREE | {
+  "copy",
+  "copy-start",
+  "reshape",
+  "broadcast",
+  "transpose",
+  "slice",
+  "dynamic-slice",
+  "dynamic-update-slice",
+  "concatenate",
+  "pad",
+  "gather",
+  "scatter",
+  "iota",
+  "reverse",
+  "sort",
+  "custom-call",
+  "send",
+  "recv",
+  "send-done",
+  "recv-done",
+  "bitcast-convert",
+  "infeed",
+  "outfeed",
+  "rng-get-and-update-state",
+  "while",
+  "call",
+  "conditional",
+  "async-start",
+}
+_COLLECTIVES = (
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "all-to-all",
+  "ragged-all-to-all",
+  "collective-permute",
+  "collective-broadcast",
+)
 
 
 # ----------------------------------------------------------------------------- output types
 @dataclass(frozen=True)
 class Compute:
   """One kernel-level instruction (a fusion, a dot, a custom-call, a copy, ...)."""
+
   name: str
   opcode: str
-  flops: float          # all FLOPs, dot FLOPs included
-  dot_flops: float      # FLOPs of dot/convolution/gemm only (tensor-core work)
+  flops: float  # all FLOPs, dot FLOPs included
+  dot_flops: float  # FLOPs of dot/convolution/gemm only (tensor-core work)
   bytes_read: int
   bytes_written: int
-  dtype: str            # element type of the (first) output
-  kind: str = ""        # fusion kind (kLoop, __triton_gemm, ...) or custom-call target
+  dtype: str  # element type of the (first) output
+  kind: str = ""  # fusion kind (kLoop, __triton_gemm, ...) or custom-call target
   # Element type of the matmul inputs, "" if none: a bf16 gemm may output f32 (split-K).
   dot_dtype: str = ""
   # Its metadata op_name: the jax.named_scope / primitive path it came from, which says
@@ -85,14 +143,14 @@ class Compute:
 @dataclass(frozen=True)
 class Collective:
   name: str
-  kind: str             # "all-reduce", "all-gather", ... (no -start suffix)
-  bytes: int            # see module docstring for the convention per kind
+  kind: str  # "all-reduce", "all-gather", ... (no -start suffix)
+  bytes: int  # see module docstring for the convention per kind
   dtype: str
-  groups: Groups = ()                            # partition ids; empty for permutes
-  pairs: tuple[tuple[int, int], ...] = ()        # collective-permute source->target
-  is_async: bool = False                         # a start/done pair
-  done: str | None = None                        # name of the matching -done
-  overlapped: tuple[str, ...] = ()               # nodes scheduled between start and done
+  groups: Groups = ()  # partition ids; empty for permutes
+  pairs: tuple[tuple[int, int], ...] = ()  # collective-permute source->target
+  is_async: bool = False  # a start/done pair
+  done: str | None = None  # name of the matching -done
+  overlapped: tuple[str, ...] = ()  # nodes scheduled between start and done
   xla_sync: bool = False  # XLA GPU marked the start is_sync: it runs without overlap
   # Arrays it moves: XLA combines small collectives into one with many operands, which
   # NCCL runs as one grouped call but XLA:CPU as one rendezvous per operand.
@@ -108,6 +166,7 @@ class Collective:
 @dataclass(frozen=True)
 class AsyncDone:
   """Where an async collective is waited for, in schedule order."""
+
   name: str
   start: str
 
@@ -216,8 +275,10 @@ class _Analyzer:
       return bytes_of(ins.shape) + indices, bytes_of(ins.shape)
     if op in ("dynamic-update-slice", "scatter"):  # in place: only the update moves
       update = ins.operands[-1] if op == "scatter" else ins.operands[1]
-      return (sum(bytes_of(comp.by_name[o].shape) for o in ins.operands[1:]),
-              bytes_of(comp.by_name[update].shape))
+      return (
+        sum(bytes_of(comp.by_name[o].shape) for o in ins.operands[1:]),
+        bytes_of(comp.by_name[update].shape),
+      )
     read = sum(bytes_of(comp.by_name[o].shape) for o in ins.operands if o in comp.by_name)
     if op == "copy-start":  # its output is a (destination, source, context) tuple
       return read, read
@@ -225,8 +286,11 @@ class _Analyzer:
       return read, bytes_of(ins.shape)
     fused = self.comps[ins.attrs["calls"].lstrip("%")]
     params = {int(i.args): i for i in fused.instrs if i.opcode == "parameter"}
-    read = sum(self._param_read(fused, params[k], bytes_of(comp.by_name[o].shape))
-               for k, o in enumerate(ins.operands) if k in params and o in comp.by_name)
+    read = sum(
+      self._param_read(fused, params[k], bytes_of(comp.by_name[o].shape))
+      for k, o in enumerate(ins.operands)
+      if k in params and o in comp.by_name
+    )
     root = fused.root
     outs = [fused.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
     written = 0
@@ -266,7 +330,7 @@ class _Analyzer:
 
   def _build(self, comp: Computation) -> list[Node]:
     nodes: list[Node] = []
-    open_starts: dict[str, int] = {}   # async start name -> index in nodes
+    open_starts: dict[str, int] = {}  # async start name -> index in nodes
     for ins in comp.instrs:
       op = ins.opcode
       coll = self._collective(ins, comp)
@@ -276,7 +340,7 @@ class _Analyzer:
         nodes.append(coll)
       elif (op.endswith("-done")) and ins.operands and ins.operands[0] in open_starts:
         i = open_starts.pop(ins.operands[0])
-        between = tuple(n.name for n in nodes[i + 1:] if not isinstance(n, AsyncDone))
+        between = tuple(n.name for n in nodes[i + 1 :] if not isinstance(n, AsyncDone))
         nodes[i] = replace(nodes[i], done=ins.name, overlapped=between)
         nodes.append(AsyncDone(ins.name, nodes[i].name))
       elif op in _FREE:
@@ -288,28 +352,48 @@ class _Analyzer:
       elif op == "async-start":  # async compute that is not a collective: run it here
         nodes.extend(self.comp_nodes(ins.attrs["calls"].lstrip("%")))
       elif op == "conditional":
-        branches = re.findall(r"%([\w.\-]+)", ins.attrs.get("branch_computations", "") +
-                              ins.attrs.get("true_computation", "") + "," +
-                              ins.attrs.get("false_computation", ""))
+        branches = re.findall(
+          r"%([\w.\-]+)",
+          ins.attrs.get("branch_computations", "")
+          + ins.attrs.get("true_computation", "")
+          + ","
+          + ins.attrs.get("false_computation", ""),
+        )
         best = max((self.comp_nodes(b) for b in branches), key=lambda ns: total_flops(ns))
         nodes.extend(best)
       else:
         flops, dflops = self.instr_flops(ins, comp)
         read, written = self.instr_bytes(ins, comp)
-        nodes.append(Compute(ins.name, op, flops, dflops, read, written, dtype_of(ins.shape),
-                             hlo_text.kind(ins), self.dot_dtype(ins, comp) if dflops else "",
-                             hlo_text.op_name(ins), hlo_text.scheduling_name(ins)))
+        nodes.append(
+          Compute(
+            ins.name,
+            op,
+            flops,
+            dflops,
+            read,
+            written,
+            dtype_of(ins.shape),
+            hlo_text.kind(ins),
+            self.dot_dtype(ins, comp) if dflops else "",
+            hlo_text.op_name(ins),
+            hlo_text.scheduling_name(ins),
+          )
+        )
     return nodes
 
   def _collective(self, ins: Instr, comp: Computation) -> Collective | None:
     op, is_async = ins.opcode, False
-    if op == "async-start":   # async wrapper: the collective is inside the computation
+    if op == "async-start":  # async wrapper: the collective is inside the computation
       inner = self.comps[ins.attrs["calls"].lstrip("%")]
       found = [i for i in inner.instrs if i.opcode in _COLLECTIVES]
       if not found:
         return None
-      return replace(self._collective(found[0], inner), name=ins.name, is_async=True,
-                     scheduling_name=hlo_text.scheduling_name(ins))
+      return replace(
+        self._collective(found[0], inner),
+        name=ins.name,
+        is_async=True,
+        scheduling_name=hlo_text.scheduling_name(ins),
+      )
     if op.endswith("-start") and op[:-6] in _COLLECTIVES:
       op, is_async = op[:-6], True
     if op not in _COLLECTIVES:
@@ -326,9 +410,18 @@ class _Analyzer:
     first = comp.by_name.get(ins.operands[0]) if ins.operands else None
     dtype = dtype_of(first.shape if first else ins.shape)
     sync = '"is_sync":true' in ins.attrs.get("backend_config", "")
-    return Collective(ins.name, op, size, dtype, groups, pairs, is_async, xla_sync=sync,
-                      operands=max(1, len(ins.operands)),
-                      scheduling_name=hlo_text.scheduling_name(ins))
+    return Collective(
+      ins.name,
+      op,
+      size,
+      dtype,
+      groups,
+      pairs,
+      is_async,
+      xla_sync=sync,
+      operands=max(1, len(ins.operands)),
+      scheduling_name=hlo_text.scheduling_name(ins),
+    )
 
   def _loop(self, ins: Instr, comp: Computation) -> Loop:
     body = self.comp_nodes(ins.attrs["body"].lstrip("%"))

@@ -14,9 +14,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-_DTYPE_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16,
-               "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64,
-               "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0, "tf32": 32}
+_DTYPE_BITS = {
+  "pred": 8,
+  "s2": 2,
+  "u2": 2,
+  "s4": 4,
+  "u4": 4,
+  "s8": 8,
+  "u8": 8,
+  "s16": 16,
+  "u16": 16,
+  "f16": 16,
+  "bf16": 16,
+  "s32": 32,
+  "u32": 32,
+  "f32": 32,
+  "s64": 64,
+  "u64": 64,
+  "f64": 64,
+  "c64": 64,
+  "c128": 128,
+  "token": 0,
+  "tf32": 32,
+}
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 Groups = tuple[tuple[int, ...], ...]  # replica groups as lists of partition ids
 
@@ -25,10 +45,11 @@ Groups = tuple[tuple[int, ...], ...]  # replica groups as lists of partition ids
 @dataclass(frozen=True)
 class Instr:
   """One instruction line: `name = shape opcode(args), attrs`."""
+
   name: str
   shape: str
   opcode: str
-  args: str                       # raw text between the opcode's parentheses
+  args: str  # raw text between the opcode's parentheses
   operands: tuple[str, ...]
   attrs: dict[str, str] = field(hash=False)
   is_root: bool = False
@@ -37,6 +58,7 @@ class Instr:
 @dataclass
 class Computation:
   """One computation's instructions in order, by name, and each value's users."""
+
   name: str
   instrs: list[Instr]
   root: Instr | None = None
@@ -62,7 +84,7 @@ def _closing(s: str, i: int) -> int:
       depth -= 1
       if depth == 0:
         return j
-  raise ValueError(f"unbalanced: {s[i:i + 80]}")
+  raise ValueError(f"unbalanced: {s[i : i + 80]}")
 
 
 def _split_top(s: str) -> list[str]:
@@ -107,11 +129,11 @@ def _parse_instr(line: str) -> Instr:
   else:
     end = rest.index(" ")
   shape, rest = rest[:end], rest[end:].strip()
-  opcode = rest[:rest.index("(")]
+  opcode = rest[: rest.index("(")]
   close = _closing(rest, len(opcode))
-  args = rest[len(opcode) + 1:close]
+  args = rest[len(opcode) + 1 : close]
   operands = tuple(re.findall(r"%([\w.\-]+)", args))
-  attrs = _parse_attrs(rest[close + 1:].lstrip(", "))
+  attrs = _parse_attrs(rest[close + 1 :].lstrip(", "))
   return Instr(name, shape, opcode, args, operands, attrs, lhs.lstrip().startswith("ROOT"))
 
 
@@ -120,7 +142,7 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str, str, int]:
   text = re.sub(r"/\*.*?\*/", "", text)  # drop /*index=5*/ comments inside tuples
   comps: dict[str, Computation] = {}
   entry, cur, instrs = "", None, []
-  header = text[:text.find("\n")]
+  header = text[: text.find("\n")]
   name_m = re.match(r"HloModule\s+([\w.\-]+)", header)
   parts_m = re.search(r"num_partitions=(\d+)", header)
   for line in text.splitlines():
@@ -149,8 +171,10 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def bytes_of(shape: str) -> int:
   """Bytes of all arrays in a shape."""
-  return sum(math.prod(d) * _DTYPE_BITS.get(t, 8 if t.startswith("f8") else 32) // 8
-             for t, d in arrays(shape))
+  return sum(
+    math.prod(d) * _DTYPE_BITS.get(t, 8 if t.startswith("f8") else 32) // 8
+    for t, d in arrays(shape)
+  )
 
 
 def elements(shape: str) -> int:
@@ -205,10 +229,12 @@ def _mesh_groups(axes_text: str, ids_text: str | None, group_text: str) -> Group
       ids = np.arange(n_dev).reshape(dims).transpose(ints(m.group(2)) or range(len(dims)))
     else:
       ids = np.array(ints(ids_text))
-  refs = [(n, int(p) if p else None, int(s) if s else None)
-          for n, p, s in re.findall(r"'?([^',:\s]+)'?(?::\((\d+)\)(\d+))?", group_text)]
+  refs = [
+    (n, int(p) if p else None, int(s) if s else None)
+    for n, p, s in re.findall(r"'?([^',:\s]+)'?(?::\((\d+)\)(\d+))?", group_text)
+  ]
   dims: list[int] = []
-  position: dict[tuple[str, int | None], int] = {}   # (axis, pre) -> reshaped dim index
+  position: dict[tuple[str, int | None], int] = {}  # (axis, pre) -> reshaped dim index
   for name, size in axes:
     subs = sorted((p, s) for n, p, s in refs if n == name and p is not None)
     prefix = 1
@@ -260,4 +286,3 @@ def backend_json(s: str) -> dict:
     return json.loads(s)
   except json.JSONDecodeError:
     return {}
-

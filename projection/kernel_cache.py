@@ -15,8 +15,9 @@ import tempfile
 import jax
 
 KERNEL_CACHE_ENV = "JAX_SCALING_KERNEL_CACHE"  # overrides the file's path
-DEFAULT_KERNEL_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jax-scaling",
-                                    f"xla-kernels-jax-{jax.__version__}.bin")
+DEFAULT_KERNEL_CACHE = os.path.join(
+  os.path.expanduser("~"), ".cache", "jax-scaling", f"xla-kernels-jax-{jax.__version__}.bin"
+)
 
 
 @functools.cache

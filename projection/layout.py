@@ -43,26 +43,28 @@ COMPILED_MICRO_BATCHES = 2
 @dataclasses.dataclass(frozen=True)
 class ReducedMesh:
   target: MeshLayout
-  sizes: dict[str, int]          # the compiled mesh: data shrunk, the rest as the target
-  global_batch: int              # the compiled program's batch (same per-device micro-batch)
-  micro_batches: int             # accumulated micro-batches per step on the target (1: none)
-  compiled_micro_batches: int    # and in the compiled program
+  sizes: dict[str, int]  # the compiled mesh: data shrunk, the rest as the target
+  global_batch: int  # the compiled program's batch (same per-device micro-batch)
+  micro_batches: int  # accumulated micro-batches per step on the target (1: none)
+  compiled_micro_batches: int  # and in the compiled program
 
   @property
   def devices(self) -> int:
     return math.prod(self.sizes.values())
 
 
-def target_layout(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
-                  nvlink_domain: int) -> MeshLayout:
+def target_layout(
+  mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int, nvlink_domain: int
+) -> MeshLayout:
   if gpus % gpus_per_node:
     raise UserInputError(f"--gpus {gpus} is not a whole number of {gpus_per_node}-GPU nodes")
   cfg = dataclasses.replace(mesh_cfg, devices_per_node=gpus_per_node, nvlink_domain=nvlink_domain)
   return plan(cfg, gpus)
 
 
-def rack_aligned_domain(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
-                        nvlink_domain: int) -> int:
+def rack_aligned_domain(
+  mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int, nvlink_domain: int
+) -> int:
   """GPUs used per NVLink domain so that model replicas do not straddle racks.
 
   On HGX the domain is a node and nothing straddles. An NVL72 rack holds 18 trays of 4;
@@ -79,27 +81,40 @@ def rack_aligned_domain(mesh_cfg: MeshConfig, gpus: int, gpus_per_node: int,
   if nvlink_domain <= gpus_per_node:
     return nvlink_domain
   # The axis sizes only; target_layout checks the layout on the domain chosen here.
-  sizes = plan(dataclasses.replace(mesh_cfg, devices_per_node=gpus_per_node,
-                                   nvlink_domain=nvlink_domain, allow_tensor_beyond_nvlink=True),
-               gpus).sizes
+  sizes = plan(
+    dataclasses.replace(
+      mesh_cfg,
+      devices_per_node=gpus_per_node,
+      nvlink_domain=nvlink_domain,
+      allow_tensor_beyond_nvlink=True,
+    ),
+    gpus,
+  ).sizes
   block = math.prod(sizes.values()) // sizes["data"]
-  return max(d for d in range(gpus_per_node, nvlink_domain + 1, gpus_per_node)
-             if d % block == 0 or block % d == 0)
+  return max(
+    d
+    for d in range(gpus_per_node, nvlink_domain + 1, gpus_per_node)
+    if d % block == 0 or block % d == 0
+  )
 
 
 def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
   """The compiled stand-in for `target`; bad batch sizes raise UserInputError."""
   replicas = target.sizes["data"] * target.sizes["fsdp"]
   if train_cfg.global_batch % replicas:
-    raise UserInputError(f"train.global_batch = {train_cfg.global_batch} does not divide over "
-                         f"the {replicas} data x fsdp replicas of {target.devices} GPUs")
+    raise UserInputError(
+      f"train.global_batch = {train_cfg.global_batch} does not divide over "
+      f"the {replicas} data x fsdp replicas of {target.devices} GPUs"
+    )
   per_replica = train_cfg.global_batch // replicas
   micro_batches, compiled = 1, 1
   if train_cfg.micro_batch:
     if per_replica % train_cfg.micro_batch:
-      raise UserInputError(f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
-                           f"{per_replica} sequences per data-parallel replica of "
-                           f"{target.devices} GPUs")
+      raise UserInputError(
+        f"train.micro_batch = {train_cfg.micro_batch} does not divide the "
+        f"{per_replica} sequences per data-parallel replica of "
+        f"{target.devices} GPUs"
+      )
     micro_batches = per_replica // train_cfg.micro_batch
     # A target without accumulation (one micro-batch) compiles as it runs, loop-free. A
     # pipelined one compiles all its micro-batches: its embedding, head and micro-batch
@@ -110,8 +125,9 @@ def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
       compiled = min(micro_batches, COMPILED_MICRO_BATCHES)
     per_replica = train_cfg.micro_batch * compiled
   sizes = {**target.sizes, "data": min(target.sizes["data"], REDUCED_DATA)}
-  return ReducedMesh(target, sizes, per_replica * sizes["data"] * sizes["fsdp"], micro_batches,
-                     compiled)
+  return ReducedMesh(
+    target, sizes, per_replica * sizes["data"] * sizes["fsdp"], micro_batches, compiled
+  )
 
 
 def _device_index(coords: np.ndarray, layout: MeshLayout) -> np.ndarray:
@@ -149,7 +165,7 @@ def target_group_domains(groups: Groups, reduced: ReducedMesh) -> list[tuple[int
   align with the mesh (64-GPU replicas on 72-GPU NVL72 racks: some straddle two racks),
   and the slowest one gates the step, so every distinct placement is returned.
   """
-  coords = _coords(groups, reduced)                                     # [g, m, len(AXES)]
+  coords = _coords(groups, reduced)  # [g, m, len(AXES)]
   target = reduced.target
   data = np.arange(target.sizes["data"])
   if _spans_data(coords):
@@ -160,7 +176,7 @@ def target_group_domains(groups: Groups, reduced: ReducedMesh) -> list[tuple[int
     coords = np.concatenate([grid, np.broadcast_to(others, (*grid.shape[:3], rest))], axis=-1)
     coords = coords.reshape(len(others), -1, len(AXES))
   else:
-    base = coords[coords[:, 0, 0] == 0]                                 # data replica 0's
+    base = coords[coords[:, 0, 0] == 0]  # data replica 0's
     coords = np.broadcast_to(base, (len(data), *base.shape)).copy()
     coords[..., 0] = data[:, None, None]
     coords = coords.reshape(-1, *base.shape[1:])
@@ -176,5 +192,7 @@ def axes_of(groups: Groups, reduced: ReducedMesh) -> str:
   "tensor+pipeline", ...): those on which members of a group (or a permute's source and
   target) differ; "none" for groups of one."""
   coords = [_coords((g,), reduced)[0] for g in groups]
-  return "+".join(a for i, a in enumerate(AXES)
-                  if any(len(set(c[:, i].tolist())) > 1 for c in coords)) or "none"
+  return (
+    "+".join(a for i, a in enumerate(AXES) if any(len(set(c[:, i].tolist())) > 1 for c in coords))
+    or "none"
+  )

@@ -22,8 +22,15 @@ from errors import UserInputError
 from hardware import catalog
 from hardware.catalog import Hardware
 from model.flops import param_count, train_flops_per_token
-from projection import (aot_compile, collective_timing, cost_model, hlo, host_calibration,
-                        layout, step_loops)
+from projection import (
+  aot_compile,
+  collective_timing,
+  cost_model,
+  hlo,
+  host_calibration,
+  layout,
+  step_loops,
+)
 from records.points import ProjectedPoint, to_json
 
 GB = 1e9
@@ -67,31 +74,45 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   step, compile_s = aot_compile.compiled_program(exp, hw, reduced, timer)
   stages = target.sizes.get("pipeline", 1)
   virtual = exp.train.virtual_stages if stages > 1 else 1
-  program = step_loops.with_micro_batches(step.program, reduced.compiled_micro_batches,
-                                          reduced.micro_batches, virtual)
+  program = step_loops.with_micro_batches(
+    step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual
+  )
 
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   data_growth = target.sizes["data"] / reduced.sizes["data"]
-  memory_gb = (step.memory_per_device_bytes
-               - step.data_sharded_state_bytes * (1 - 1 / data_growth)) / GB
+  memory_gb = (
+    step.memory_per_device_bytes - step.data_sharded_state_bytes * (1 - 1 / data_growth)
+  ) / GB
   capacity_gb = hw.hbm_bytes / GB
   point = dict(
-      mode="project", experiment=exp.name, model=exp.model.name,
-      params=param_count(exp.model), hardware=hw.name, devices=gpus, nodes=target.nodes,
-      mesh=target.sizes, mesh_nvlink=target.nvlink, mesh_infiniband=target.infiniband,
-      compiled_mesh=reduced.sizes, global_batch=exp.train.global_batch,
-      micro_batches=reduced.micro_batches,
-      compiled_micro_batches=reduced.compiled_micro_batches,
-      seq_len=exp.model.seq_len, tokens_per_step=tokens_per_step,
-      compute_dtype=exp.model.compute_dtype, remat=exp.model.remat,
-      compile_target=step.compile_target, compile_note=step.note,
-      compile_s=round(compile_s, 3),
-      hlo_flops_per_device=hlo.total_flops(program),
-      hlo_flops_per_step=hlo.total_flops(program) * gpus,
-      hlo_matmul_flops_per_step=hlo.dot_flops(program) * gpus,
-      memory_per_gpu_gb=memory_gb, hbm_capacity_gb=capacity_gb,
-      fits=memory_gb <= capacity_gb,
-      peak_tflops_per_device=hw.peak_tflops("bf16"),
+    mode="project",
+    experiment=exp.name,
+    model=exp.model.name,
+    params=param_count(exp.model),
+    hardware=hw.name,
+    devices=gpus,
+    nodes=target.nodes,
+    mesh=target.sizes,
+    mesh_nvlink=target.nvlink,
+    mesh_infiniband=target.infiniband,
+    compiled_mesh=reduced.sizes,
+    global_batch=exp.train.global_batch,
+    micro_batches=reduced.micro_batches,
+    compiled_micro_batches=reduced.compiled_micro_batches,
+    seq_len=exp.model.seq_len,
+    tokens_per_step=tokens_per_step,
+    compute_dtype=exp.model.compute_dtype,
+    remat=exp.model.remat,
+    compile_target=step.compile_target,
+    compile_note=step.note,
+    compile_s=round(compile_s, 3),
+    hlo_flops_per_device=hlo.total_flops(program),
+    hlo_flops_per_step=hlo.total_flops(program) * gpus,
+    hlo_matmul_flops_per_step=hlo.dot_flops(program) * gpus,
+    memory_per_gpu_gb=memory_gb,
+    hbm_capacity_gb=capacity_gb,
+    fits=memory_gb <= capacity_gb,
+    peak_tflops_per_device=hw.peak_tflops("bf16"),
   )
   if not point["fits"]:
     return to_json(ProjectedPoint(**point, over_capacity_gb=memory_gb - capacity_gb))
@@ -105,10 +126,10 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
     # An evaluation is a forward pass: a third of the model's training FLOPs, against
     # the compiled step's FLOPs (which include recomputation).
     forward = train_flops_per_token(exp.model) / 3 * tokens_per_step / point["hlo_flops_per_step"]
-    point["time_to_train"] = exp.benchmark.estimate(cost.step_s, exp.train.global_batch,
-                                                    forward)
+    point["time_to_train"] = exp.benchmark.estimate(cost.step_s, exp.train.global_batch, forward)
     point["time_to_train_min"] = point["time_to_train"]["time_to_train_min"]
-  return to_json(ProjectedPoint(
+  return to_json(
+    ProjectedPoint(
       **point,
       step_time_s=cost.step_s,
       tokens_per_s=tokens_per_s,
@@ -120,12 +141,16 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
       # memory_bound_s is the part of compute_s whose time HBM traffic sets, the rest
       # being matmuls (and any op) at the FLOP rate; exposed_comm_by_axis_s splits
       # exposed_comm_s by the mesh axes of its collectives.
-      breakdown={"compute_s": cost.compute_s, "exposed_comm_s": cost.exposed_comm_s,
-                 "other_s": cost.other_s,
-                 "bubble_s": step_loops.bubble_s(program, hw, timer, reduced.micro_batches,
-                                                 stages, virtual),
-                 "memory_bound_s": cost.memory_bound_s,
-                 "exposed_comm_by_axis_s": collective_timing.exposed_comm_by_axis_s(
-                     program, hw, reduced, timer)},
+      breakdown={
+        "compute_s": cost.compute_s,
+        "exposed_comm_s": cost.exposed_comm_s,
+        "other_s": cost.other_s,
+        "bubble_s": step_loops.bubble_s(program, hw, timer, reduced.micro_batches, stages, virtual),
+        "memory_bound_s": cost.memory_bound_s,
+        "exposed_comm_by_axis_s": collective_timing.exposed_comm_by_axis_s(
+          program, hw, reduced, timer
+        ),
+      },
       comm_s=cost.comm_s,
-  ))
+    )
+  )

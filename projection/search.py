@@ -188,8 +188,9 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   layers_per_gpu = model.num_layers / pp
   d = model.d_model
   shard = tp if model.sequence_parallel else 1
-  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "elementwise": 20 * d,
-                     "none": 34 * d}[model.remat] / shard
+  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "elementwise": 20 * d, "none": 34 * d}[
+    model.remat
+  ] / shard
   schedule = exp.train.pipeline_schedule
   passes = pipeline.passes(exp.train.pipeline_passes, micro, pp, schedule) if pp > 1 else 1
   held_tokens = per_replica_tokens / passes if pp > 1 else per_replica_tokens / micro
@@ -245,11 +246,17 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
       if stages > 1:
         micro = reduced.micro_batches
         schedule = cand_exp.train.pipeline_schedule
-        pipeline.check(cand_exp.model.num_layers, stages, candidate.virtual_stages, micro,
-                       pipeline.passes(cand_exp.train.pipeline_passes, micro, stages, schedule),
-                       schedule)
-        gradients.check_scales(cand_exp.train.pipeline_schedule, stages,
-                               cand_exp.model.delayed_scaling)
+        pipeline.check(
+          cand_exp.model.num_layers,
+          stages,
+          candidate.virtual_stages,
+          micro,
+          pipeline.passes(cand_exp.train.pipeline_passes, micro, stages, schedule),
+          schedule,
+        )
+        gradients.check_scales(
+          cand_exp.train.pipeline_schedule, stages, cand_exp.model.delayed_scaling
+        )
       # The model's shapes over the model-parallel axes: once the checks above pass, the
       # same for every micro-batch, virtual-stage count (a reordering of the layers) and
       # remat policy, so built once per (fsdp, tensor, pipeline).
@@ -327,8 +334,11 @@ def search(
       "virtual_stages": candidate.virtual_stages,
       "micro_batch": candidate.micro_batch,
       "pipeline_passes": candidate.pipeline_passes,
-      "schedule": (candidate.schedule if candidate.pipeline_passes == 1
-                   else f"{candidate.schedule} x {candidate.pipeline_passes}"),
+      "schedule": (
+        candidate.schedule
+        if candidate.pipeline_passes == 1
+        else f"{candidate.schedule} x {candidate.pipeline_passes}"
+      ),
       "remat": candidate.remat,
       "prior_step_s": estimate.step_s,
       "prior_memory_gb": estimate.memory_gb,

@@ -16,12 +16,10 @@ from collections.abc import Callable
 from hardware.catalog import Hardware
 from parallelism import gradients, one_f_one_b, pipeline
 from projection import cost_model, hlo
-from train import step as train_step
 
 # The gradient-accumulation loop is the while op that train/step.py's named scope names.
 # Vmapped over data-parallel replicas when it runs pipeline passes: "vmap(grad_accumulation)".
-_ACCUMULATION_OP = re.compile(
-  rf"(^|[/(]){re.escape(gradients.ACCUMULATION_SCOPE)}\)*/while$")
+_ACCUMULATION_OP = re.compile(rf"(^|[/(]){re.escape(gradients.ACCUMULATION_SCOPE)}\)*/while$")
 # The pipeline's loops: the forward one ("jvp(pipeline)/while") and its transpose
 # ("transpose(jvp(pipeline))/while"), one trip each per schedule step
 # (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
@@ -30,7 +28,8 @@ _PIPELINE_OP = re.compile(rf"(^|[/(]){re.escape(pipeline.PIPELINE_SCOPE)}\)*/whi
 # the steady one inside the loop over micro-batch groups.
 _FILL_OP, _DRAIN_OP, _STEADY_OP = (
   re.compile(rf"(^|[/(]){re.escape(scope)}\)*/while$")
-  for scope in (one_f_one_b.FILL_SCOPE, one_f_one_b.DRAIN_SCOPE, one_f_one_b.STEADY_SCOPE))
+  for scope in (one_f_one_b.FILL_SCOPE, one_f_one_b.DRAIN_SCOPE, one_f_one_b.STEADY_SCOPE)
+)
 
 
 def pipeline_loops(program: hlo.Program) -> list[int]:
@@ -66,8 +65,9 @@ def pipeline_passes(program: hlo.Program) -> list[tuple[hlo.Loop, int]]:
   return found
 
 
-def with_micro_batches(program: hlo.Program, compiled: int, target: int,
-                       virtual_stages: int = 1) -> hlo.Program:
+def with_micro_batches(
+  program: hlo.Program, compiled: int, target: int, virtual_stages: int = 1
+) -> hlo.Program:
   """`program`, compiled for `compiled` micro-batches, running `target` of them.
 
   Sound because every micro-batch runs the same loop body: the work that does not
@@ -84,34 +84,50 @@ def with_micro_batches(program: hlo.Program, compiled: int, target: int,
   if target == compiled:
     return program
   if len(pipeline_passes(program)) > len(pipeline_loops(program)):
-    raise RuntimeError(f"{program.name}: a pipeline of several passes or the 1f1b schedule "
-                       f"is compiled with all its micro-batches ({compiled}), not {target}")
+    raise RuntimeError(
+      f"{program.name}: a pipeline of several passes or the 1f1b schedule "
+      f"is compiled with all its micro-batches ({compiled}), not {target}"
+    )
   loops = pipeline_loops(program)
   if loops:
     entry = list(program.entry)
     for i in loops:
-      entry[i] = dataclasses.replace(entry[i], trip_count=entry[i].trip_count
-                                     + (target - compiled) * virtual_stages)
+      entry[i] = dataclasses.replace(
+        entry[i], trip_count=entry[i].trip_count + (target - compiled) * virtual_stages
+      )
     return dataclasses.replace(program, entry=tuple(entry))
-  found = [i for i, n in enumerate(program.entry)
-           if isinstance(n, hlo.Loop) and _ACCUMULATION_OP.search(n.op_name)]
+  found = [
+    i
+    for i, n in enumerate(program.entry)
+    if isinstance(n, hlo.Loop) and _ACCUMULATION_OP.search(n.op_name)
+  ]
   if len(found) != 1:
-    raise RuntimeError(f"expected one gradient-accumulation loop (a while op named "
-                       f"'{gradients.ACCUMULATION_SCOPE}/while') at the top of "
-                       f"{program.name}, found {len(found)}")
+    raise RuntimeError(
+      f"expected one gradient-accumulation loop (a while op named "
+      f"'{gradients.ACCUMULATION_SCOPE}/while') at the top of "
+      f"{program.name}, found {len(found)}"
+    )
   loop = program.entry[found[0]]
   trips = loop.trip_count + target - compiled
   if loop.trip_count_source == "unknown" or trips < 1:
-    raise RuntimeError(f"{loop.name}: cannot run {target} micro-batches from a loop of "
-                       f"{loop.trip_count} trips ({loop.trip_count_source}) compiled for "
-                       f"{compiled}")
+    raise RuntimeError(
+      f"{loop.name}: cannot run {target} micro-batches from a loop of "
+      f"{loop.trip_count} trips ({loop.trip_count_source}) compiled for "
+      f"{compiled}"
+    )
   entry = list(program.entry)
   entry[found[0]] = dataclasses.replace(loop, trip_count=trips)
   return dataclasses.replace(program, entry=tuple(entry))
 
 
-def bubble_s(program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Collective], float],
-             micro_batches: int, stages: int, virtual_stages: int) -> float:
+def bubble_s(
+  program: hlo.Program,
+  hw: Hardware,
+  collective_s: Callable[[hlo.Collective], float],
+  micro_batches: int,
+  stages: int,
+  virtual_stages: int,
+) -> float:
   """Seconds of the pipeline's idle trips: each pipeline loop runs micro_batches / passes
   x virtual_stages busy trips and stages - 1 idle ones (fill and drain) per pass, every trip the
   same body (ranks compute in lockstep, an idle rank on stale data), so the bubble is
@@ -124,22 +140,28 @@ def bubble_s(program: hlo.Program, hw: Hardware, collective_s: Callable[[hlo.Col
   if fill or drain:
     plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
     if [n.trip_count for n in fill + drain] != [plan.delay, plan.drain_trips]:
-      raise RuntimeError(f"{program.name}: 1f1b fill and drain loops of "
-                         f"{[n.trip_count for n in fill + drain]} trips, not the schedule's "
-                         f"{plan.delay} and {plan.drain_trips}")
+      raise RuntimeError(
+        f"{program.name}: 1f1b fill and drain loops of "
+        f"{[n.trip_count for n in fill + drain]} trips, not the schedule's "
+        f"{plan.delay} and {plan.drain_trips}"
+      )
     trip_s = lambda loop: cost_model.simulate(loop.body, hw, collective_s).step_s
     return (stages - 1) * (trip_s(fill[0]) + trip_s(drain[0]))
   loops = pipeline_passes(program)
   if stages > 1 and not loops:
-    raise RuntimeError(f"{program.name}: no pipeline loop (a while op named "
-                       f"'{pipeline.PIPELINE_SCOPE}/while') at the top of the program or of "
-                       f"its pass loop")
+    raise RuntimeError(
+      f"{program.name}: no pipeline loop (a while op named "
+      f"'{pipeline.PIPELINE_SCOPE}/while') at the top of the program or of "
+      f"its pass loop"
+    )
   total = 0.0
   for loop, passes in loops:
     per_pass = micro_batches // passes
     if loop.trip_count != pipeline.trips(per_pass, stages, virtual_stages):
-      raise RuntimeError(f"{loop.name}: {loop.trip_count} trips, not the "
-                         f"{per_pass} x {virtual_stages} + {stages} - 1 of the schedule")
+      raise RuntimeError(
+        f"{loop.name}: {loop.trip_count} trips, not the "
+        f"{per_pass} x {virtual_stages} + {stages} - 1 of the schedule"
+      )
     idle = loop.trip_count - per_pass * virtual_stages
     total += passes * idle * cost_model.simulate(loop.body, hw, collective_s).step_s
   return total
