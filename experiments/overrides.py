@@ -83,7 +83,7 @@ def _shortcut(cfg: Any, key: str, text: str) -> Any:
     if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < 1:
       shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
       raise UserInputError(
-        f"--set {key}: expected a positive whole number of at most 9 digits, got {shown!r}"
+        f"--set {key}: expected a positive whole number, got {shown!r}"
       )
     return _replace(cfg, _POSITIVE[key].split("."), text, key)
   path, values = _CHOICES[key]

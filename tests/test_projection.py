@@ -125,7 +125,7 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
   assert (
     r64["compiled_mesh"]
     == r128["compiled_mesh"]
-    == {"data": 2, "fsdp": 2, "tensor": 4, "pipeline": 1}
+    == {"data": 2, "fsdp": 2, "context": 1, "tensor": 4, "pipeline": 1}
   )
   assert (r64["micro_batches"], r128["micro_batches"]) == (8, 4)
   assert r64["compiled_micro_batches"] == r128["compiled_micro_batches"] == 2
