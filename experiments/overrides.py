@@ -82,9 +82,7 @@ def _shortcut(cfg: Any, key: str, text: str) -> Any:
     # strings of over 4,300 digits).
     if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < 1:
       shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
-      raise UserInputError(
-        f"--set {key}: expected a positive whole number, got {shown!r}"
-      )
+      raise UserInputError(f"--set {key}: expected a positive whole number, got {shown!r}")
     return _replace(cfg, _POSITIVE[key].split("."), text, key)
   path, values = _CHOICES[key]
   if text not in values:
