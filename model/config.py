@@ -195,12 +195,6 @@ class ModelConfig:
         f"tokens do not divide over mesh.tensor = {tensor} "
         "(model.sequence_parallel)"
       )
-    if self.attention != "xla":
-      raise UserInputError(
-        f"model.attention = {self.attention!r} cannot run with mesh.context = "
-        f"{context}: its causal mask is by index, not the load-balanced "
-        "positions; use model.attention=xla"
-      )
     if self.fp8:
       raise UserInputError(
         f"model.fp8 with mesh.context = {context} is not supported; use "

@@ -153,7 +153,10 @@ def attention(
   mask [T, S] (True: attend; context parallelism's, by true positions), else causal by
   index (S = T)."""
   if kind == "cudnn":
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if mask is None:
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    # As a [1, 1, T, S] bias: the kernel computes every score block, skipping none.
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="cudnn")
   B, T, H, K = q.shape
   G = k.shape[2]
   causal = jnp.tril(jnp.ones((T, T), bool)) if mask is None else mask
@@ -215,7 +218,9 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     positions = context.positions(q.shape[1])
     q, k = rope.rotate(q, cfg, positions), rope.rotate(k, cfg, positions)
   if context.ranks() > 1:
-    a = context.attention(q, k, v, lambda q, k, v, mask: attention(q, k, v, "xla", mask))
+    a = context.attention(
+      q, k, v, lambda q, k, v, mask: attention(q, k, v, cfg.attention, mask)
+    )
   else:
     a = attention(q, k, v, cfg.attention)
   a = checkpoint_name(a, "attention")

@@ -18,13 +18,17 @@ transpose a reduce-scatter of dK/dV, rather than a ring of CP - 1 collective-per
 with an online-softmax merge per step. With grouped-query attention the K/V are small
 (2 G K values a token, Llama 3.1 405B: 2 x 8 x 128 = 2,048 against d_model 16,384), so the
 gather moves little; it is one collective that XLA can schedule as soon as K/V exist,
-with the whole attention one masked softmax after it and autodiff's transpose for the
-backward. The cost is overlap: the gather's latency is exposed unless the scheduler
-hides it behind the Q projection, where a ring hides each step behind the previous
-chunk's attention. The mask compares true positions, so the attention runs as XLA's
-softmax attention: cuDNN's causal mask (jax.nn.dot_product_attention) is by index,
-which the load-balanced order is not, so model.attention=cudnn is refused with a
-context axis (model/config.py).
+and autodiff's transpose is the backward. The cost is overlap: the gather's latency is
+exposed unless the scheduler hides it behind the Q projection, where a ring hides each
+step behind the previous chunk's attention.
+
+After the gather each of a rank's two query chunks runs one masked attention, the mask
+comparing true positions, so each query's whole softmax is one kernel call (cuDNN flash
+attention or XLA's): the early chunk (r < CP) against the K/V of chunks 0 .. CP - 1
+(the first half of every rank's slab), the late chunk against all of them. A masked
+cuDNN kernel computes its whole score rectangle, so a rank's attention costs 3 CP c^2
+score entries (c = T / 2 CP) against the 2 CP c^2 a causal ring computes: 1.5x the
+attention work, a few per cent of a Llama step (docs/context.md).
 """
 
 from collections.abc import Callable
@@ -82,12 +86,14 @@ def attention(
   along T over `context` in the program's token order -> [B, T, H, K], split likewise.
 
   attend(q, k, v, mask) is the local attention, mask [Tq, Tk] bool (True: attend). Each
-  rank all-gathers K/V and masks by true positions; heads and batch stay split as they
-  are (the shard_map is manual over `context` only).
+  rank all-gathers K/V and masks by true positions (module docstring); heads and batch
+  stay split as they are (the shard_map is manual over `context` only).
   """
   mesh = jax.sharding.get_abstract_mesh()
   T = q.shape[1]
-  true_positions = order(T, mesh.shape[CONTEXT])
+  context_ranks = mesh.shape[CONTEXT]
+  true_positions = order(T, context_ranks)
+  early_positions = jnp.asarray(np.arange(T // 2))[None, :]  # chunks 0 .. CP - 1, in order
   # XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters, which the gather's
   # transpose is, so on CPU meshes K/V cross in float32 (as sequence.py's collectives do).
   device = mesh.abstract_device
@@ -99,8 +105,19 @@ def attention(
     )
 
   def local(q, k, v, q_positions):
-    mask = q_positions[:, None] >= jnp.asarray(true_positions)[None, :]  # [T / CP, T]
-    return attend(q, gathered(k), gathered(v), mask)
+    # q [b, 2c, H, K]: chunk r then chunk 2 CP - 1 - r; gathered k, v [b, T, G, K] in the
+    # program's order, whose first c tokens of each rank's 2c are chunks 0 .. CP - 1.
+    k, v = gathered(k), gathered(v)
+    b, t, g, kd = k.shape
+    c = q.shape[1] // 2
+
+    def early(x):  # [b, T, G, K] -> [b, CP c, G, K]: chunks 0 .. CP - 1
+      return x.reshape(b, t // (2 * c), 2, c, g, kd)[:, :, 0].reshape(b, -1, g, kd)
+
+    kv_positions = jnp.asarray(true_positions)
+    out_early = attend(q[:, :c], early(k), early(v), q_positions[:c, None] >= early_positions)
+    out_late = attend(q[:, c:], k, v, q_positions[c:, None] >= kv_positions[None, :])
+    return jnp.concatenate([out_early, out_late], axis=1)
 
   seq = PartitionSpec(None, CONTEXT)
   # check_vma=False as in sequence.py: under the pipeline's vmaps (which add manual axes)

@@ -169,11 +169,6 @@ def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_para
       "a context rank's 6 tokens do not divide over mesh.tensor = 4",
     ),
     (
-      dataclasses.replace(GPT, attention="cudnn"),
-      MeshConfig(data=1, context=2),
-      "model.attention = 'cudnn' cannot run with mesh.context = 2",
-    ),
-    (
       dataclasses.replace(LLAMA, fp8=True),
       MeshConfig(data=1, context=2),
       "model.fp8 with mesh.context = 2 is not supported",
