@@ -52,7 +52,7 @@ CHECKS = (
 
 
 def _exp(gpus: int, sets: tuple[str, ...]):
-  exp = experiments.at_gpus(experiments.load("mlperf_gpt3_175b"), gpus)
+  exp = experiments.at_target(experiments.load("mlperf_gpt3_175b"), gpus)
   return overrides.apply(exp, list(sets))
 
 

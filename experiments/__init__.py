@@ -56,6 +56,13 @@ def variant(exp: ExperimentConfig, name: str) -> ExperimentConfig:
   )
 
 
-def at_gpus(exp: ExperimentConfig, gpus: int) -> ExperimentConfig:
-  """The configuration `gpus` GPUs run by default: a published one where one matches."""
-  return variant(exp, exp.variant_by_gpus[gpus]) if gpus in exp.variant_by_gpus else exp
+def at_target(exp: ExperimentConfig, gpus: int, hardware: str | None = None) -> ExperimentConfig:
+  """The configuration `gpus` GPUs (of `hardware`) run by default: a published one the
+  count selects (`variant_by_gpus`), else the experiment module's own rule for the target
+  (its `for_target(exp, hardware, gpus)`, where it has one), else `exp`."""
+  if gpus in exp.variant_by_gpus:
+    return variant(exp, exp.variant_by_gpus[gpus])
+  rule = getattr(importlib.import_module(f"experiments.{exp.name}"), "for_target", None)
+  if hardware is None or rule is None:
+    return exp
+  return rule(exp, hardware, gpus)

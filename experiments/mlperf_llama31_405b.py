@@ -7,15 +7,17 @@ reference/mlperf_llama31_405b.py (sources: docs/sources/mlperf-llama31-405b.md).
 recorded `time_to_train_min` is the RCP-normalized score, comparable with the published
 one; `time_to_train.run_time_min` is the run's own wall clock, comparable with its result
 log (experiments/_time_to_train.py RcpNormalizedTimeToTrain). The published
-configurations are named variants; a projection on a GPU count that matches one uses it
-by default:
+configurations are named variants; a projection on a target that matches one uses it,
+and any other target its generation's published layout (`for_target`):
 
   python launch.py --mode=project --experiment=mlperf_llama31_405b --hardware=h100 --gpus=8192
   python launch.py --mode=project --experiment=mlperf_llama31_405b --hardware=gb200 --gpus=2496
 """
 
 import dataclasses
+import math
 
+import experiments
 from experiments import ExperimentConfig
 from experiments._time_to_train import RcpNormalizedTimeToTrain
 from model.config import preset
@@ -79,14 +81,26 @@ MODEL = dataclasses.replace(
 )
 
 
-def _variant(run: published.PublishedRun) -> ExperimentConfig:
-  """A published configuration: data parallelism over the GPUs that TP x PP x CP leave."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a run is laid out and batched (the published runs' fields of the same names)."""
+
+  hardware: str
+  gpus: int
+  tensor: int
+  global_batch: int
+  round_name: str = "v5.0"
+  pipeline: int = published.PIPELINE
+  virtual_stages: int = published.VIRTUAL_STAGES
+  context: int = published.CONTEXT
+  micro_batch: int = published.MICRO_BATCH
+
+
+def _experiment(run: Layout, description: str) -> ExperimentConfig:
+  """A layout: data parallelism over the GPUs that TP x PP x CP leave."""
   return ExperimentConfig(
     name="mlperf_llama31_405b",
-    description=f"{run.round_name} {run.system}: {run.gpus:,} {run.hardware.upper()}, "
-    f"TP {run.tensor}, PP {run.pipeline}, virtual stages {run.virtual_stages}, CP "
-    f"{run.context}, micro-batch {run.micro_batch}, GBS {run.global_batch} "
-    f"(published {run.score_min} min)",
+    description=description,
     model=MODEL,
     mesh=MeshConfig(data=-1, context=run.context, tensor=run.tensor, pipeline=run.pipeline),
     # The published runs' interleaved 1F1B schedule (parallelism/one_f_one_b.py); 126
@@ -103,20 +117,83 @@ def _variant(run: published.PublishedRun) -> ExperimentConfig:
   )
 
 
-# The calibration points (reference/mlperf_llama31_405b.py CALIBRATION), by name and GPU
-# count. No efficiency parameter of hardware/catalog.py is fitted to them.
+def _published(run: published.PublishedRun) -> ExperimentConfig:
+  layout = Layout(
+    run.hardware,
+    run.gpus,
+    run.tensor,
+    run.global_batch,
+    run.round_name,
+    run.pipeline,
+    run.virtual_stages,
+    run.context,
+    run.micro_batch,
+  )
+  return _experiment(
+    layout,
+    f"{run.round_name} {run.system}: {run.gpus:,} {run.hardware.upper()}, "
+    f"TP {run.tensor}, PP {run.pipeline}, virtual stages {run.virtual_stages}, CP "
+    f"{run.context}, micro-batch {run.micro_batch}, GBS {run.global_batch} "
+    f"(published {run.score_min} min)",
+  )
+
+
+# The calibration points (reference/mlperf_llama31_405b.py CALIBRATION), by name. No
+# efficiency parameter of hardware/catalog.py is fitted to them.
 PUBLISHED = {
   "eos_8192": published.CALIBRATION[0],
   "carina_2496": published.CALIBRATION[1],
 }
 
 
+def global_batch(replicas: int, pipeline: int = published.PIPELINE) -> int:
+  """The smallest multiple of replicas x pipeline at or above the rules' base batch of
+  1,152: every replica gets a whole number of micro-batches, a multiple of the pipeline
+  depth as the interleaved schedule needs. Both calibration runs follow it: 64 replicas
+  x 8 -> 1,536 (Eos), 39 x 8 -> 1,248 (Carina)."""
+  step = replicas * pipeline
+  return step * math.ceil(published.BASE_GLOBAL_BATCH / step)
+
+
+def layout(hardware: str, gpus: int) -> Layout | None:
+  """The published layout of `hardware`'s generation on `gpus` GPUs (None for a
+  generation MLPerf has no Llama run on, or a count TP x PP x CP does not divide)."""
+  tensor = published.TENSOR_BY_HARDWARE.get(hardware)
+  if tensor is None:
+    return None
+  per_replica = tensor * published.PIPELINE * published.CONTEXT
+  if gpus % per_replica:
+    return None
+  return Layout(hardware, gpus, tensor, global_batch(gpus // per_replica))
+
+
+def for_target(exp: ExperimentConfig, hardware: str, gpus: int) -> ExperimentConfig:
+  """What `gpus` GPUs of `hardware` run by default: the published run where one matches,
+  else the generation's published layout (`layout`), else `exp`."""
+  for name, run in PUBLISHED.items():
+    if (run.hardware, run.gpus) == (hardware, gpus):
+      return experiments.variant(exp, name)
+  chosen = layout(hardware, gpus)
+  if chosen is None:
+    return exp
+  return dataclasses.replace(
+    _experiment(
+      chosen,
+      f"{gpus:,} {hardware.upper()} in the generation's published layout: TP "
+      f"{chosen.tensor}, PP {chosen.pipeline}, virtual stages {chosen.virtual_stages}, CP "
+      f"{chosen.context}, micro-batch {chosen.micro_batch}, GBS {chosen.global_batch}",
+    ),
+    variants=exp.variants,
+  )
+
+
 def get_config() -> ExperimentConfig:
-  variants = {name: _variant(run) for name, run in PUBLISHED.items()}
+  variants = {name: _published(run) for name, run in PUBLISHED.items()}
   return dataclasses.replace(
     variants["eos_8192"],
     variants=variants,
-    variant_by_gpus={run.gpus: name for name, run in PUBLISHED.items()},
-    description="MLPerf Llama 3.1 405B time to train (RCP-normalized); published "
-    "configurations by GPU count (eos_8192 H100, carina_2496 GB200), else eos_8192's",
+    description="MLPerf Llama 3.1 405B time to train (RCP-normalized); on a target, the "
+    "published run where one matches (eos_8192 H100, carina_2496 GB200), else the "
+    "generation's published layout (TP 8 H100, 4 H200 / B200 / GB200, 2 GB300; PP 8, VP 8, "
+    "CP 2, micro-batch 1) with the batch of `global_batch`",
   )

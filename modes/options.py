@@ -34,13 +34,17 @@ class Options:
 
 
 def experiment(
-  options: Options, mode: str, first: tuple[str, ...] = (), gpus: int | None = None
+  options: Options,
+  mode: str,
+  first: tuple[str, ...] = (),
+  gpus: int | None = None,
+  hardware: str | None = None,
 ) -> experiments.ExperimentConfig:
-  """The experiment on `gpus` GPUs (the variant they select), then `first` and the user's
-  --set overrides."""
+  """The experiment on `gpus` GPUs of `hardware` (what that target runs by default,
+  experiments.at_target), then `first` and the user's --set overrides."""
   exp = experiments.load(options.experiment)
   if gpus is not None:
-    exp = experiments.at_gpus(exp, gpus)
+    exp = experiments.at_target(exp, gpus, hardware)
   exp = overrides.apply(exp, [*first, *options.sets])
   if options.steps:
     exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=options.steps))
@@ -94,5 +98,5 @@ def projection_points(options: Options, check_plan: bool = True) -> list[tuple[s
   for name, gpus in points:
     hw = project.hardware(name, gpus)
     if check_plan:
-      project.plan(experiment(options, "project", gpus=gpus), hw, gpus)
+      project.plan(experiment(options, "project", gpus=gpus, hardware=name), hw, gpus)
   return points

@@ -17,7 +17,7 @@ def run(options: Options) -> list[dict]:
   progress = tqdm.tqdm(points, desc="projecting", unit="point", disable=len(points) < 2)
   for name, gpus in progress:
     progress.set_postfix_str(f"{name} x {gpus}")
-    record = project.project(experiment(options, "project", gpus=gpus), name, gpus)
+    record = project.project(experiment(options, "project", gpus=gpus, hardware=name), name, gpus)
     results.append(options.output_dir, record, stamp=True)
     records.append(record)
   print(printers.projection_table(records))

@@ -19,7 +19,7 @@ def run(options: Options) -> list[dict]:
     search.check_point(name, gpus)
   searches = []
   for name, gpus in points:
-    exp = experiment(options, "project", gpus=gpus)
+    exp = experiment(options, "project", gpus=gpus, hardware=name)
     start = time.perf_counter()
     bars: list[tqdm.tqdm] = []  # made at the first projection: bad input prints nothing else
 

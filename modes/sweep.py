@@ -18,7 +18,9 @@ def run(options: Options) -> list[dict]:
     definition,
     options.output_dir,
     jax.devices()[0].platform,
-    lambda n: experiment(options, definition.mode, definition.overrides, n),
+    lambda hardware, n: experiment(
+      options, definition.mode, definition.overrides, n, hardware
+    ),
     point_options(options),
   )
   summary.finish(records, options.output_dir)

@@ -139,3 +139,11 @@ CALIBRATION = (
     27.33,
   ),
 )
+
+
+# How every published run is laid out (NVIDIA NeMo / Megatron-Core config scripts in
+# mlcommons/training_results_v5.0 and v5.1): micro-batch 1, context 2, pipeline 8 with 8
+# virtual stages, and tensor parallelism by generation.
+MICRO_BATCH, CONTEXT, PIPELINE, VIRTUAL_STAGES = 1, 2, 8, 8
+TENSOR_BY_HARDWARE = {"h100": 8, "h200": 4, "b200": 4, "gb200": 4, "gb300": 2}
+

@@ -12,12 +12,15 @@ import dataclasses
 
 from errors import UserInputError
 from hardware import catalog
-from reference import mlperf_gpt3
+from reference import mlperf_gpt3, mlperf_llama31_405b
 
 # Powers of two from one HGX node up, plus the GPU counts of published MLPerf GPT-3 runs:
 # 10,752 H100 (MLPerf Training v3.1, Nov 2023: reference/mlperf_gpt3.py) and 11,616 H100
 # (NVIDIA's MLPerf Training v4.0 submission, June 2024; mlcommons/training_results_v4.0).
 GPU_COUNTS = tuple(sorted([2**k for k in range(3, 15)] + [10752, 11616]))
+# Llama 3.1 405B from 256 GPUs (two replicas of H100's published TP 8 x PP 8 x CP 2) to
+# 8,192 (the largest published run, reference/mlperf_llama31_405b.py).
+LLAMA_GPU_COUNTS = tuple(2**k for k in range(8, 14))
 # The device counts of this machine's measured sweeps (tests/conftest.py and launch.py
 # give a process 8 host CPU devices).
 HOST_DEVICE_COUNTS = (1, 2, 4, 8)
@@ -68,6 +71,19 @@ SWEEPS = {
   # parallelism by GPU count and reports its own time to train: one series, as configured.
   "mlperf_gpt3_175b": dataclasses.replace(
     _GPT3, scalings=("configured",), token_budget=0, token_budget_label=""
+  ),
+  # Llama 3 (8B by default) as gpt3: every generation, strong and weak scaling of its FSDP
+  # layout; 2 sequences of 8,192 per replica, as GPT-3's 2 of 2,048 (a 4M-token batch at
+  # 256 replicas, Meta's Llama 2 recipe).
+  "llama3": dataclasses.replace(_GPT3, token_budget=0, token_budget_label=""),
+  # The MLPerf Llama experiment picks the published run, or the generation's published
+  # layout and batch rule, for each target (experiments/mlperf_llama31_405b.py
+  # for_target) and reports its own time to train: the generations MLPerf ran it on.
+  "mlperf_llama31_405b": Sweep(
+    mode="project",
+    counts=LLAMA_GPU_COUNTS,
+    hardware=tuple(mlperf_llama31_405b.TENSOR_BY_HARDWARE),
+    scalings=("configured",),
   ),
   "tiny": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=5")),
   "cpu_char": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=3")),

@@ -28,7 +28,7 @@ from sweep import metrics
 from sweep.definitions import Sweep
 
 # device count -> the experiment configuration that count runs.
-AtCount = Callable[[int], object]
+AtTarget = Callable[[str, int], object]  # (hardware, devices) -> experiment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +91,11 @@ def _measure(exp, devices: int, options: PointOptions) -> dict:
   return dict(to_json(measured))
 
 
-def _run_point(base, at_count: AtCount, sweep: Sweep, point: Point, options: PointOptions) -> dict:
+def _run_point(
+  base, at_target: AtTarget, sweep: Sweep, point: Point, options: PointOptions
+) -> dict:
   try:
-    point_exp = point_experiment(base, at_count(point.devices), sweep, point)
+    point_exp = point_experiment(base, at_target(point.hardware, point.devices), sweep, point)
     if sweep.mode == "project":
       record = project.project(point_exp, point.hardware, point.devices)
     else:
@@ -129,16 +131,16 @@ def run(
   sweep: Sweep,
   output_dir: str,
   platform: str,
-  at_count: AtCount | None = None,
+  at_target: AtTarget | None = None,
   options: PointOptions | None = None,
 ) -> list[dict]:
   """Run the points not yet in `output_dir`; return every record of this sweep.
 
-  `exp` names the sweep and fingerprints its configuration; `at_count(n)` is the
-  experiment as n devices run it (default: `exp` at every count); a measured point runs
-  with `options` (default: TensorBoard scalars in `output_dir`).
+  `exp` names the sweep and fingerprints its configuration; `at_target(hardware, n)` is
+  the experiment as n devices of that hardware run it (default: `exp` everywhere); a
+  measured point runs with `options` (default: TensorBoard scalars in `output_dir`).
   """
-  at_count = at_count or (lambda _: exp)
+  at_target = at_target or (lambda _hardware, _devices: exp)
   options = options or PointOptions(output_dir=output_dir)
   keyed = {point_key(exp, sweep, p): p for p in points(sweep, platform)}
   # results.read skips (with a warning) lines that are not records; a record of another
@@ -164,7 +166,7 @@ def run(
     for key in progress:
       point = keyed[key]
       progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
-      record = _run_point(exp, at_count, sweep, point, options)
+      record = _run_point(exp, at_target, sweep, point, options)
       _label(record, exp, sweep, key, point)
       if record["status"] == "failed":
         progress.write(f"point {key} failed: {record['reason']}")

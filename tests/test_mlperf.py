@@ -70,12 +70,12 @@ def test_time_to_train_arithmetic():
 
 def test_published_configurations_are_the_default_for_their_gpu_counts():
   exp = experiments.load("mlperf_gpt3_175b")
-  big = experiments.at_gpus(exp, 10752)
+  big = experiments.at_target(exp, 10752)
   assert (big.train.global_batch, big.train.micro_batch, big.mesh.tensor) == (2688, 1, 4)
   assert big.train.lr_warmup_steps == 152 and big.train.lr_decay_steps == 62058
-  small = experiments.at_gpus(exp, 512)
+  small = experiments.at_target(exp, 512)
   assert (small.train.global_batch, small.train.micro_batch) == (2048, 2)
-  assert experiments.at_gpus(exp, 1024) is exp
+  assert experiments.at_target(exp, 1024) is exp
   assert mlperf.learning_rate(2048) == 2e-5 and mlperf.learning_rate(4096) == 3e-5
   assert (exp.model.num_layers, exp.model.d_model, exp.model.seq_len, exp.model.vocab_size) == (
     96,

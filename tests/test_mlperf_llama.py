@@ -108,19 +108,30 @@ def test_learning_rate_rule_by_global_batch():
   assert cfg.steps == 210
 
 
-def test_published_configurations_are_the_default_for_their_gpu_counts():
+def test_each_target_runs_its_published_run_or_its_generations_layout():
   exp = experiments.load("mlperf_llama31_405b")
-  eos = experiments.at_gpus(exp, 8192)
+  eos = experiments.at_target(exp, 8192, "h100")
   assert (eos.mesh.tensor, eos.mesh.pipeline, eos.train.virtual_stages) == (8, 8, 8)
   assert (eos.train.global_batch, eos.train.micro_batch, eos.train.pipeline_schedule) == (
     1536,
     1,
     "1f1b",
   )
-  carina = experiments.at_gpus(exp, 2496)
+  carina = experiments.at_target(exp, 2496, "gb200")
   assert (carina.mesh.tensor, carina.mesh.pipeline, carina.train.virtual_stages) == (4, 8, 8)
   assert (carina.train.global_batch, carina.train.micro_batch) == (1248, 1)
-  assert experiments.at_gpus(exp, 1024) is exp
+  assert experiments.at_target(exp, 1024) is exp  # no hardware: the experiment as loaded
+  # The batch rule reproduces both published batches from their replica counts.
+  assert [mlperf.global_batch(r) for r in (64, 39)] == [1536, 1248]
+  # Elsewhere, the generation's tensor size and that rule: 8,192 GB300 is 256 replicas of
+  # TP 2 x PP 8 x CP 2, and the smallest multiple of 256 x 8 from 1,152 is 2,048.
+  gb300 = experiments.at_target(exp, 8192, "gb300")
+  assert (gb300.mesh.tensor, gb300.train.global_batch) == (2, 2048)
+  assert gb300.train.steps == mlperf.BENCHMARKS["v5.0"].steps_to_converge(2048)
+  h200 = experiments.at_target(exp, 512, "h200")
+  assert (h200.mesh.tensor, h200.mesh.context, h200.train.global_batch) == (4, 2, 1152)
+  assert experiments.at_target(exp, 512, "a100") is exp  # no published Llama layout
+  assert set(gb300.variants) == {"eos_8192", "carina_2496"}
   for variant in (eos, carina):
     assert variant.benchmark is V50 and variant.train.shard_optimizer
     assert variant.mesh.context == 2 and variant.mesh.data == -1
