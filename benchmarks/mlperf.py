@@ -1,24 +1,25 @@
-"""MLPerf GPT-3 175B: the calibration points, and the H200 question across generations.
+"""MLPerf's LLM benchmarks projected: the calibration points, and the generations.
 
-  1. Calibration: the two published H100 results (reference/mlperf_gpt3.py), each projected in its
-     own published configuration (pipeline 8, interleaved 1F1B, tensor 4 with sequence
-     parallelism, FP8, cuDNN flash attention): 10,752 H100 (3.92 min) and 512 H100
-     (49.80 min).
-  2. Generations: the same configuration on H100, H200, B200, GB200 and GB300, and
-     configurations that use more memory or NVL72's larger NVLink domain.
+  --benchmark=gpt3 (GPT-3 175B, experiments/mlperf_gpt3_175b.py):
+    1. Calibration: the two published H100 results (reference/mlperf_gpt3.py), each in
+       its own published configuration: 10,752 H100 (3.92 min) and 512 H100 (49.80 min).
+    2. Generations: 512 GPUs of each generation in the published 512-H100 configuration.
+  --benchmark=llama (Llama 3.1 405B, experiments/mlperf_llama31_405b.py):
+    1. Calibration: 8,192 H100 (Eos, 20.81 min) and 2,496 GB200 (Carina, 27.33 min), each
+       in its published configuration (reference/mlperf_llama31_405b.py).
+    2. Generations: 512 GPUs of each generation in its own published layout (tensor 8 on
+       H100, 4 on H200 / B200 / GB200, 2 on GB300), then H100 and H200 like for like in
+       each of the two HGX layouts (tensor 8 and tensor 4).
 
-  python benchmarks/mlperf_gpt3.py
-  python benchmarks/mlperf_gpt3.py --skip_generations
+  python benchmarks/mlperf.py --benchmark=gpt3
+  python benchmarks/mlperf.py --benchmark=llama --skip_generations
 
 A projection that does not fit in HBM is untimed (projection/project.py). To show where
 its time would go, this script also times every point as if capacity were unlimited
 ("if it fit"), splits its compute into FLOP-bound and memory-bound time and its exposed
 communication by mesh axis, and names the memory-bound work of the pipeline loops
-(`memory_bound_by_kind`).
-
-One deviceless compile of the 175B step per (configuration, generation): 10-30 s each
-on this 2-core machine with XLA's kernel cache warm (projection/kernel_cache.py), longer on a
-first run; the whole run took 2 min 44 s here.
+(`memory_bound_by_kind`). One deviceless compile per (configuration, generation), two
+with a latency profile; the "run s" column says what each point took.
 """
 
 import argparse
@@ -39,7 +40,7 @@ platform_env.configure(host_devices=8)
 
 import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
-from experiments import overrides  # noqa: E402
+from experiments import mlperf_llama31_405b, overrides  # noqa: E402
 from hardware import catalog  # noqa: E402
 from projection import (  # noqa: E402
   aot_compile,
@@ -52,11 +53,46 @@ from projection import (  # noqa: E402
 from reference import mlperf_gpt3  # noqa: E402
 from report import table  # noqa: E402
 
-# The published calibration points: (variant, GPUs, published minutes).
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+  experiment: str
+  # The published calibration points: (variant, hardware, GPUs, published minutes).
+  calibration: tuple[tuple[str, str, int, float], ...]
+  generations: tuple[str, ...]
+  # The generations table's configuration: this variant on every generation, or ("")
+  # each generation's own default at 512 GPUs (experiments.at_target).
+  generations_variant: str
+  # Like-for-like tables: `--set` assignments run on every generation of `like_for_like_hw`.
+  like_for_like: tuple[tuple[str, ...], ...] = ()
+  like_for_like_hw: tuple[str, ...] = ()
+
+
 _EOS_MINUTES = {gpus: min_ for label, _, gpus, min_ in mlperf_gpt3.RESULTS if "NVIDIA Eos" in label}
-CALIBRATION = (("eos_10752", 10752, _EOS_MINUTES[10752]), ("eos_512", 512, _EOS_MINUTES[512]))
-# The generations with FP8, which the benchmark trains in.
-GENERATIONS = tuple(name for name in catalog.names() if catalog.get(name).peak_fp8_tflops)
+BENCHMARKS = {
+  "gpt3": Benchmark(
+    "mlperf_gpt3_175b",
+    (
+      ("eos_10752", "h100", 10752, _EOS_MINUTES[10752]),
+      ("eos_512", "h100", 512, _EOS_MINUTES[512]),
+    ),
+    # The generations with FP8, which the benchmark trains in.
+    tuple(name for name in catalog.names() if catalog.get(name).peak_fp8_tflops),
+    "eos_512",
+  ),
+  "llama": Benchmark(
+    "mlperf_llama31_405b",
+    tuple(
+      (name, run.hardware, run.gpus, run.score_min)
+      for name, run in mlperf_llama31_405b.PUBLISHED.items()
+    ),
+    tuple(mlperf_llama31_405b.published.TENSOR_BY_HARDWARE),
+    "",
+    (("mesh.tensor=8",), ("mesh.tensor=4",)),
+    ("h100", "h200"),
+  ),
+}
+GENERATIONS_GPUS = 512
 
 
 def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
@@ -151,40 +187,52 @@ def _print_split(label: str, result: dict) -> None:
   )
 
 
-def calibration(sets: list[str]) -> None:
-  exp = experiments.load("mlperf_gpt3_175b")
+def calibration(bench: Benchmark, sets: list[str]) -> None:
+  exp = experiments.load(bench.experiment)
   rows, results = [], []
-  for name, gpus, published in CALIBRATION:
-    result = analyse(overrides.apply(experiments.variant(exp, name), sets), "h100", gpus)
+  for name, hw, gpus, published in bench.calibration:
+    result = analyse(overrides.apply(experiments.variant(exp, name), sets), hw, gpus)
     row = _row(f"{name} ({gpus})", result)
     rows.append((*row, published, f"{row[-1] / published - 1:+.1%}", f"{result['seconds']:.0f}"))
     results.append((name, result))
-  print(f"\nCalibration: H100 in the published configurations {' '.join(sets)} (times 'if it fit')")
+  print(f"\nCalibration: the published configurations {' '.join(sets)} (times 'if it fit')")
   print(table.columns((*HEADERS, "published min", "error", "run s"), rows))
   for name, result in results:
     _print_split(name, result)
 
 
-def generations(hardware: list[str], sets: list[str]) -> None:
-  base = overrides.apply(experiments.variant(experiments.load("mlperf_gpt3_175b"), "eos_512"), sets)
-  rows, results = [], []
-  for hw in hardware:
-    result = analyse(base, hw, 512)
-    rows.append(_row("eos_512 " + " ".join(sets), result))
-    results.append((hw, result))
-  print(f"\n512 GPUs, H100's published configuration {' '.join(sets)} (times 'if it fit')")
-  print(table.columns(HEADERS, rows))
-  for hw, result in results:
-    _print_split(hw, result)
-  for row in rows[1:]:
-    print(f"  {row[0]} vs {rows[0][0]}: step {rows[0][4] / row[4]:.2f}x")
+def _at(bench: Benchmark, hw: str, sets: list[str] | tuple[str, ...]):
+  exp = experiments.load(bench.experiment)
+  if bench.generations_variant:
+    exp = experiments.variant(exp, bench.generations_variant)
+  else:
+    exp = experiments.at_target(exp, GENERATIONS_GPUS, hw)
+  return overrides.apply(exp, list(sets))
+
+
+def generations(bench: Benchmark, hardware: list[str], sets: list[str]) -> None:
+  tables = [(bench.generations_variant or "each generation's own", hardware, ())]
+  tables += [(" ".join(extra), bench.like_for_like_hw, extra) for extra in bench.like_for_like]
+  for label, hws, extra in tables:
+    rows, results = [], []
+    for hw in hws:
+      result = analyse(_at(bench, hw, [*extra, *sets]), hw, GENERATIONS_GPUS)
+      rows.append((*_row(f"{label} {' '.join(sets)}", result), f"{result['seconds']:.0f}"))
+      results.append((hw, result))
+    print(f"\n{GENERATIONS_GPUS} GPUs, {label} {' '.join(sets)} (times 'if it fit')")
+    print(table.columns((*HEADERS, "run s"), rows))
+    for hw, result in results:
+      _print_split(hw, result)
+    for row in rows[1:]:
+      print(f"  {row[0]} vs {rows[0][0]}: step {rows[0][4] / row[4]:.2f}x")
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--benchmark", default="gpt3", help="gpt3 or llama")
   parser.add_argument("--skip_generations", action="store_true")
   parser.add_argument("--skip_calibration", action="store_true")
-  parser.add_argument("--hardware", default=",".join(GENERATIONS))
+  parser.add_argument("--hardware", default="", help="generations (default: the benchmark's)")
   parser.add_argument(
     "--set",
     action="append",
@@ -192,20 +240,25 @@ def main() -> None:
     help="override of both tables' configurations (launch.py --set)",
   )
   args = parser.parse_args()
-  hardware = args.hardware.split(",")
   try:  # bad input: one line and exit 2, before the first compile
+    if args.benchmark not in BENCHMARKS:
+      raise UserInputError(
+        f"--benchmark must be one of {', '.join(BENCHMARKS)}, got {args.benchmark!r}"
+      )
+    bench = BENCHMARKS[args.benchmark]
+    hardware = args.hardware.split(",") if args.hardware else list(bench.generations)
     for name in hardware:
       project.hardware(name)
-    exp = overrides.apply(experiments.load("mlperf_gpt3_175b"), args.set)
+    exp = overrides.apply(experiments.load(bench.experiment), args.set)
     exp.model.validate()
     exp.train.validate()
   except UserInputError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   if not args.skip_calibration:
-    calibration(args.set)
+    calibration(bench, args.set)
   if not args.skip_generations:
-    generations(hardware, args.set)
+    generations(bench, hardware, args.set)
 
 
 if __name__ == "__main__":
