@@ -23,8 +23,9 @@ the two scales (`x_scale`, `g_scale`),
 and the backward pass returns the observed amaxes as their cotangents: every code path
 that differentiates the layers brings them out as it brings out weight gradients, and
 combines the micro-batches' and replicas' amaxes with max (train/step.py,
-parallelism/one_f_one_b.py). The first step's history is empty and casts at scale 1, as
-Transformer Engine's does.
+parallelism/one_f_one_b.py), and the tensor and context ranks' (parallelism/sequence.py,
+or the partitioner's max over a sharded tensor). The first step's history is empty and
+casts at scale 1, as Transformer Engine's does.
 
 Weights are cast once a step (`cast_weights`, on the whole layer stack, one scale per
 layer), not in every matmul: the layer scan and the pipeline loop then read one byte per
@@ -40,6 +41,7 @@ float32 ones.
 """
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -61,16 +63,19 @@ def _scale(amax: jax.Array, dtype) -> jax.Array:
 
 def _amax(x: jax.Array) -> jax.Array:
   """x's largest magnitude, float32. Under delayed scaling it is also what a cast records,
-  as the cotangent of its scale; in a tensor-parallel group x may be a shard, and
-  parallelism/sequence.py keeps the largest of the ranks' cotangents."""
+  as the cotangent of its scale; in sequence parallelism's shard_map x may be a shard, and
+  parallelism/sequence.py keeps the largest of the ranks' cotangents (tensor and context)."""
   return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _quantize(x: jax.Array, dtype, tensor: Tensor | None = None) -> tuple[jax.Array, jax.Array]:
-  """x as `dtype` and the float32 scale that restores it (x ~= q * scale); with a
-  tensor-parallel group, x is a shard, scaled by the amax of every shard."""
+def _quantize(
+  x: jax.Array, dtype, reduce: Callable[[jax.Array], jax.Array] | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """x as `dtype` and the float32 scale that restores it (x ~= q * scale); with reduce,
+  x is a shard, scaled by reduce(its amax): the amax of the shards of a group
+  (parallelism/sequence.py `Tensor`)."""
   amax = _amax(x)
-  scale = _scale(tensor.amax(amax) if tensor else amax, dtype)
+  scale = _scale(reduce(amax) if reduce else amax, dtype)
   return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
 
 
@@ -140,7 +145,9 @@ def einsum(
   shard_map (parallelism/sequence.py `Tensor`). At a region's entry x is this rank's
   sequence shard: it is cast with one scale for every shard and all-gathered as E4M3,
   half the bytes of bfloat16 (Transformer Engine's FP8 all-gather), and the input
-  gradient is reduce-scattered back to the shard.
+  gradient is reduce-scattered back to the shard. Elsewhere in the region (x at its exit,
+  the output gradient) a tensor rank casts with its own amax, taken over its context
+  ranks, which hold the same features of other tokens.
   """
   if not isinstance(w, CastWeight):
     w = CastWeight(w, *_quantize(jax.lax.stop_gradient(w), E4M3))
@@ -153,15 +160,16 @@ def _cast_einsum(spec: str, tensor: Tensor | None, x: jax.Array, w: CastWeight) 
 
 
 def _forward(spec, tensor, x, w):
-  entry = tensor if tensor is not None and tensor.gather is not None else None
+  entry = tensor is not None and tensor.gather is not None
   if w.x_scale is None:
-    xq, x_scale = _quantize(x, E4M3, entry)
+    reduce = None if tensor is None else tensor.amax if entry else tensor.context_amax
+    xq, x_scale = _quantize(x, E4M3, reduce)
     x_amax = None
   else:
     xq, x_scale = fp8_ops.quantize(x, E4M3, w.x_scale, jnp.float32), w.x_scale
     x_amax = _amax(x)
-  if entry is not None:
-    xq = entry.gather(xq)
+  if entry:
+    xq = tensor.gather(xq)
   out = _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype)
   return out, (xq, x_scale, w.cast, w.scale, w.g_scale, x_amax)
 
@@ -169,7 +177,7 @@ def _forward(spec, tensor, x, w):
 def _backward(spec, tensor, residuals, g):
   xq, x_scale, wq, w_scale, g_scale, x_amax = residuals
   if g_scale is None:
-    gq, g_scale = _quantize(g, E5M2)
+    gq, g_scale = _quantize(g, E5M2, tensor.context_amax if tensor is not None else None)
     g_amax = None
   else:
     gq, g_amax = fp8_ops.quantize(g, E5M2, g_scale, jnp.float32), _amax(g)

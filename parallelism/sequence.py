@@ -16,6 +16,7 @@ on its E4M3 cast (`Tensor`, model/fp8.py): half the bytes of gathering bfloat16.
 """
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -33,7 +34,14 @@ SEQUENCE = "act_seq"
 class Tensor(NamedTuple):
   """The tensor-parallel group, for a matmul that runs its own collectives over it."""
 
-  amax: Callable[[jax.Array], jax.Array]  # a shard's amax -> the amax of every shard
+  # A rank's amax -> the amax over every rank of the shard_map (tensor, and context when
+  # it is manual): for a region entry's input, whose shards are gathered with one scale.
+  amax: Callable[[jax.Array], jax.Array]
+  # A rank's amax -> the amax over the context ranks only (the identity without them):
+  # they hold the other tokens of the same features, as data-parallel replicas do, and
+  # outside the shard_map the partitioner would reduce over them. Tensor ranks holding
+  # other features keep their own (model/fp8.py current scaling).
+  context_amax: Callable[[jax.Array], jax.Array]
   # At a region's entry (else None): a shard [b, T/t, ...] -> the whole [b, T, ...], and
   # its transpose, partial sums -> a shard's sum.
   gather: Callable[[jax.Array], jax.Array] | None
@@ -42,10 +50,10 @@ class Tensor(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _per_rank(scale: jax.Array, ranks: int) -> jax.Array:
-  """A scale [] -> one copy per tensor rank [ranks]. The ranks' cotangents are amaxes
-  observed (FP8 delayed scaling, model/fp8.py), combined by their max. Passed as a
-  replicated input instead, the scale's cotangent would rest on how shard_map's transpose
-  treats an input the manual axis does not split."""
+  """A scale [] -> one copy per rank of the shard_map's manual axes [ranks]. The ranks'
+  cotangents are amaxes observed (FP8 delayed scaling, model/fp8.py), combined by their
+  max. Passed as a replicated input instead, shard_map's transpose would sum them over
+  each manual axis that does not split it (`context`, where every rank saw other tokens)."""
   return jnp.broadcast_to(scale, (ranks,))
 
 
@@ -101,27 +109,34 @@ def matmul(
       y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
     ).astype(y.dtype)
 
+  # With context parallelism `context` is manual too: its sequence shards are those the
+  # gathers over `tensor` complete (left automatic, the partitioner would reshard them).
+  context = mesh.shape.get(CONTEXT, 1) > 1
+  manual = frozenset({TENSOR} | ({CONTEXT} if context else set()))
+  every_rank = (CONTEXT, TENSOR) if context else (TENSOR,)
+
+  def context_amax(a):
+    return jax.lax.pmax(a, CONTEXT) if context else a
+
   # w may carry its FP8 cast and per-tensor scales (model/fp8.py CastWeight): the cast is
   # laid out like w; each scalar is a scale, given to every rank as its own copy.
   scalars = jax.tree.map(lambda leaf: jnp.ndim(leaf) == 0, w)
-  ranks = mesh.shape[TENSOR]
+  ranks = math.prod(mesh.shape[a] for a in every_rank)
 
   def local(x, w):
     w = jax.tree.map(lambda leaf, scalar: leaf[0] if scalar else leaf, w, scalars)
     entry = x_axes[1] == SEQUENCE
     if tensor_in_fn:
       collectives = (all_gather, reduce_scatter) if entry else (None, None)
-      y = fn(spec, x, w, tensor=Tensor(lambda a: jax.lax.pmax(a, TENSOR), *collectives))
+      group = Tensor(lambda a: jax.lax.pmax(a, every_rank), context_amax, *collectives)
+      y = fn(spec, x, w, tensor=group)
     else:
       y = fn(spec, all_gather(x) if entry else x, w)
     return reduce_scatter(y) if out_axes[1] == SEQUENCE else y
 
-  # With context parallelism `context` is manual too: its sequence shards are those the
-  # gathers over `tensor` complete (left automatic, the partitioner would reshard them).
-  manual = frozenset({TENSOR} | ({CONTEXT} if mesh.shape.get(CONTEXT, 1) > 1 else set()))
   x_spec, w_spec, out_spec = (_manual_only(a, manual) for a in (x_axes, w_axes, out_axes))
   w = jax.tree.map(lambda leaf, scalar: _per_rank(leaf, ranks) if scalar else leaf, w, scalars)
-  w_specs = jax.tree.map(lambda scalar: PartitionSpec(TENSOR) if scalar else w_spec, scalars)
+  w_specs = jax.tree.map(lambda scalar: PartitionSpec(every_rank) if scalar else w_spec, scalars)
   # Under the pipeline's vmaps (spmd_axis_name `pipeline` and `data`) those axes must be
   # manual here too; elsewhere they stay automatic (an unused manual axis would get
   # no-op all-reduces over one-device groups in the backward pass).
