@@ -195,16 +195,6 @@ class ModelConfig:
         f"tokens do not divide over mesh.tensor = {tensor} "
         "(model.sequence_parallel)"
       )
-    if self.fp8:
-      raise UserInputError(
-        f"model.fp8 with mesh.context = {context} is not supported; use "
-        "model.fp8=false or mesh.context=1"
-      )
-    if pipeline > 1:
-      raise UserInputError(
-        f"mesh.pipeline = {pipeline} with mesh.context = {context} is not "
-        "supported; use mesh.pipeline=1 or mesh.context=1"
-      )
 
 
 def _gpt3(name: str, layers: int, d_model: int, heads: int, head_dim: int) -> ModelConfig:

@@ -68,12 +68,12 @@ def positions(seq_len: int) -> np.ndarray:
 
 
 def permuted(tokens: jax.Array) -> jax.Array:
-  """tokens [B, T] (inputs or targets) in the program's token order; unchanged with one
-  context rank."""
+  """tokens [..., T] (inputs or targets; the pipelined losses' carry leading micro-batch
+  axes) in the program's token order; unchanged with one context rank."""
   context_ranks = ranks()
   if context_ranks == 1:
     return tokens
-  return tokens[:, order(tokens.shape[1], context_ranks)]
+  return tokens[..., order(tokens.shape[-1], context_ranks)]
 
 
 def attention(
@@ -90,10 +90,7 @@ def attention(
   stay split as they are (the shard_map is manual over `context` only).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  T = q.shape[1]
   context_ranks = mesh.shape[CONTEXT]
-  true_positions = order(T, context_ranks)
-  early_positions = jnp.asarray(np.arange(T // 2))[None, :]  # chunks 0 .. CP - 1, in order
   # XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters, which the gather's
   # transpose is, so on CPU meshes K/V cross in float32 (as sequence.py's collectives do).
   device = mesh.abstract_device
@@ -104,7 +101,12 @@ def attention(
       x.dtype
     )
 
-  def local(q, k, v, q_positions):
+  def true_position(index, c):
+    """The true positions (`order`) of the program's tokens `index`, 2c a rank."""
+    rank, offset = index // (2 * c), index % (2 * c)
+    return jnp.where(offset < c, rank * c + offset, (2 * context_ranks - 2 - rank) * c + offset)
+
+  def local(q, k, v):
     # q [b, 2c, H, K]: chunk r then chunk 2 CP - 1 - r; gathered k, v [b, T, G, K] in the
     # program's order, whose first c tokens of each rank's 2c are chunks 0 .. CP - 1.
     k, v = gathered(k), gathered(v)
@@ -114,7 +116,16 @@ def attention(
     def early(x):  # [b, T, G, K] -> [b, CP c, G, K]: chunks 0 .. CP - 1
       return x.reshape(b, t // (2 * c), 2, c, g, kd)[:, :, 0].reshape(b, -1, g, kd)
 
-    kv_positions = jnp.asarray(true_positions)
+    # The masks are built from iota and the rank index alone, no input or array constant:
+    # the layers' remat then recomputes them in the backward pass rather than keeping them
+    # as residuals, which the 1F1B pipeline would store per stage (one_f_one_b.py slots)
+    # and so batch over `pipeline`, and cuDNN attention's batching rule cannot take a
+    # batched [1, 1, Tq, Tk] mask (jax 0.10.2 reshapes it to [B, H, Tq, Tk]).
+    q_positions = true_position(
+      jax.lax.axis_index(CONTEXT) * 2 * c + jax.lax.iota(jnp.int32, 2 * c), c
+    )
+    kv_positions = true_position(jax.lax.iota(jnp.int32, t), c)
+    early_positions = jax.lax.iota(jnp.int32, t // 2)  # chunks 0 .. CP - 1, in order
     out_early = attend(q[:, :c], early(k), early(v), q_positions[:c, None] >= early_positions)
     out_late = attend(q[:, c:], k, v, q_positions[c:, None] >= kv_positions[None, :])
     return jnp.concatenate([out_early, out_late], axis=1)
@@ -125,8 +136,8 @@ def attention(
   return jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(seq, seq, seq, PartitionSpec(CONTEXT)),
+    in_specs=(seq, seq, seq),
     out_specs=seq,
     axis_names={CONTEXT} | rules.vmapped_axes(),
     check_vma=False,
-  )(q, k, v, jnp.asarray(true_positions, jnp.int32))
+  )(q, k, v)

@@ -14,9 +14,9 @@ import experiments
 from errors import UserInputError
 from experiments import overrides
 from model.config import ModelConfig, preset
-from parallelism import context
+from parallelism import context, pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import hlo_text
+from projection import hlo_text, targets
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -51,20 +51,21 @@ TRAIN = TrainConfig(
 RTOL, ATOL = 2e-4, 2e-5
 
 
-def _program(model: ModelConfig, mesh_cfg: MeshConfig):
+def _program(model: ModelConfig, mesh_cfg: MeshConfig, train: TrainConfig = TRAIN):
   devices = math.prod(
     (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.context, mesh_cfg.tensor, mesh_cfg.pipeline)
   )
   mesh_cfg = dataclasses.replace(mesh_cfg, devices_per_node=devices)  # one node
   return train_step.build(
-    model, TRAIN, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
+    model, train, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
   )
 
 
-def _train(program, model: ModelConfig, steps: int = 2):
-  """Losses, final parameters and the compiled step's text (compiled under the mesh)."""
+def _train(program, model: ModelConfig, steps: int = 2, state=None):
+  """Losses, final parameters and the compiled step's text (compiled under the mesh), from
+  `state` (None: program.init()'s)."""
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
-  state, losses = program.init(), []
+  state, losses = program.init() if state is None else state, []
   for i in range(steps):
     batch = data.batch(
       TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len, model.vocab_size
@@ -80,8 +81,29 @@ _ONE_DEVICE = {}
 def _one_device(model: ModelConfig):
   key = dataclasses.replace(model, sequence_parallel=False)
   if key not in _ONE_DEVICE:
-    _ONE_DEVICE[key] = _train(_program(key, MeshConfig(data=1)), key)
+    program = _program(key, MeshConfig(data=1))
+    # The initial state copied to the host (the step donates its input), from which the
+    # pipelined steps start (_in_stage_order).
+    initial = jax.tree.map(np.array, program.init())
+    _ONE_DEVICE[key] = (*_train(program, key), initial)
   return _ONE_DEVICE[key]
+
+
+def _in_stage_order(state, program, stages: int, virtual: int):
+  """A one-device initial state (host arrays) laid out as the pipelined program's init
+  lays it out: the layer stacks (parameters and Adam moments) in stage order, placed with
+  the program's shardings. What program.init() returns, without compiling it (on CPU its
+  compile costs as much as the step's, ~14 s)."""
+
+  def leaf(path, x):
+    in_stack = any(getattr(key, "key", None) == "layers" for key in path)
+    return pipeline.stage_order(x, stages, virtual) if in_stack else x
+
+  leaves = jax.tree.leaves(jax.tree_util.tree_map_with_path(leaf, state))
+  abstract = jax.tree.leaves(program.abstract_state)
+  assert [x.shape for x in leaves] == [a.shape for a in abstract]
+  placed = [jax.device_put(x, a.sharding) for x, a in zip(leaves, abstract, strict=True)]
+  return jax.tree.unflatten(jax.tree.structure(program.abstract_state), placed)
 
 
 def _context_groups(program) -> set[tuple[int, ...]]:
@@ -134,25 +156,84 @@ def test_each_rank_holds_chunk_i_and_chunk_2cp_minus_1_minus_i():
 def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_parallel):
   program = _program(dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg)
   losses, params, text = _train(program, model)
-  losses_1, params_1, _ = _one_device(model)
+  _assert_same(losses, params, _one_device(model))
+  _assert_split_over_context(program, model, text, sequence_parallel)
+
+
+def _assert_same(losses, params, reference):
+  losses_1, params_1, *_ = reference
   np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
   assert losses[1] < losses[0]  # it trains
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
     np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
+
+def _assert_split_over_context(
+  program, model: ModelConfig, text: str, sequence_parallel: bool, rows: str = r"\d+"
+):
+  """The compiled step's K/V exchange runs on the context groups and every rank keeps
+  only its own tokens. rows: the activations' batch rows a device holds (a pattern)."""
   # The K/V exchange: all-gathers of [.., T, G, K] over exactly the context groups, and
-  # their transpose (dK, dV) reduce-scattered over them.
+  # their transpose (dK, dV) reduce-scattered over them. Leading axes: batch rows, and
+  # inside the pipeline its vmapped rank and replica axes.
   T, G, K = model.seq_len, model.kv_heads, model.head_dim
   groups, partitions = _context_groups(program), program.mesh.devices.size
   gathered = _collectives_over(text, "all-gather", groups, partitions)
-  assert any(re.search(rf"\[\d+,{T},{G}(?:,\d+)?,{K}\]", s) for s in gathered), gathered
+  assert any(re.search(rf"\[(?:\d+,)+{T},{G}(?:,\d+)?,{K}\]", s) for s in gathered), gathered
   assert _collectives_over(text, "reduce-scatter", groups, partitions)
   # No rank holds a full-sequence residual stream [b, T, D] or logits [b, T, V]; each
   # holds its T / CP tokens (and with sequence parallelism T / (CP x tensor)).
   D, V = model.d_model, model.padded_vocab
-  assert not re.search(rf"f32\[\d+,{T},(?:{D}|{V})\]", text)
-  local = T // mesh_cfg.context // (mesh_cfg.tensor if sequence_parallel else 1)
-  assert re.search(rf"f32\[\d+,{local},{D}\]", text)
+  assert not re.search(rf"f32\[(?:\d+,)+{T},(?:{D}|{V})\]", text)
+  mesh = program.mesh.shape
+  local = T // mesh[context.CONTEXT] // (mesh["tensor"] if sequence_parallel else 1)
+  assert re.search(rf"f32\[(?:\d+,)*{rows},{local},{D}\]", text)
+
+
+@pytest.mark.parametrize(
+  "mesh_cfg, schedule, micro_batch, sequence_parallel, remat",
+  [
+    # The MLPerf Llama's combination at test size (one group of P micro-batches: the
+    # 1F1B fill and drain loops).
+    (MeshConfig(data=1, context=2, tensor=2, pipeline=2), "1f1b", 4, True, "elementwise"),
+    # The lockstep pipeline vmapped over 2 replicas, 2 micro-batches each.
+    (MeshConfig(data=2, context=2, pipeline=2), "gpipe", 2, False, "none"),
+  ],
+  ids=["1f1b-context2-tensor2-sp-elementwise-remat", "gpipe-context2-data2"],
+)
+def test_context_parallel_inside_the_pipeline_matches_one_device(
+  mesh_cfg, schedule, micro_batch, sequence_parallel, remat
+):
+  """Inside the pipeline's vmaps (over `pipeline`, and `data` for the replicas) the
+  attention's shard_map, the token order of inputs and targets, and the true positions
+  are those of the unpipelined step. The micro-batches sum in yet another order, and
+  remat recomputes what the one-device step keeps (the same operations): a reduction
+  order as above, so the same tolerance (RTOL, ATOL; tests/test_pipeline.py's too)."""
+  train = dataclasses.replace(TRAIN, pipeline_schedule=schedule, micro_batch=micro_batch)
+  model = dataclasses.replace(LLAMA, sequence_parallel=sequence_parallel, remat=remat)
+  program = _program(model, mesh_cfg, train)
+  reference = _one_device(LLAMA)
+  state = _in_stage_order(reference[3], program, mesh_cfg.pipeline, 1)
+  losses, params, text = _train(program, model, state=state)
+  params["layers"] = pipeline.model_order(params["layers"], mesh_cfg.pipeline, 1)
+  _assert_same(losses, params, reference)
+  _assert_split_over_context(program, model, text, sequence_parallel, rows=str(micro_batch))
+
+
+def test_cudnn_attention_traces_inside_the_1f1b_pipeline():
+  """The 1F1B stages keep each chunk's residuals in slots batched over `pipeline`; a mask
+  kept there would reach cuDNN attention's batching rule batched, which (jax 0.10.2)
+  reshapes it to [B, H, Tq, Tk] and fails on the [1, 1, Tq, Tk] mask. The masks are
+  rebuilt inside the attention's shard_map instead (context.attention). Traced only: CPU
+  has no cuDNN (the H100 target's cuDNN version stands in for the library's)."""
+  model = dataclasses.replace(LLAMA, attention="cudnn", compute_dtype="bfloat16")
+  train = dataclasses.replace(TRAIN, pipeline_schedule="1f1b", micro_batch=2)
+  program = _program(model, MeshConfig(data=2, context=2, pipeline=2), train)
+  with jax.set_mesh(program.mesh), targets.cudnn_version_of("h100"):
+    jaxpr = jax.make_jaxpr(program.step)(
+      program.abstract_state, program.abstract_batch(TRAIN.global_batch, model.seq_len)
+    )
+  assert "dot_product_attention_bwd" in str(jaxpr)
 
 
 @pytest.mark.parametrize(
@@ -167,16 +248,6 @@ def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_para
       dataclasses.replace(LLAMA, seq_len=12, sequence_parallel=True),
       MeshConfig(data=1, context=2, tensor=4),
       "a context rank's 6 tokens do not divide over mesh.tensor = 4",
-    ),
-    (
-      dataclasses.replace(LLAMA, fp8=True),
-      MeshConfig(data=1, context=2),
-      "model.fp8 with mesh.context = 2 is not supported",
-    ),
-    (
-      dataclasses.replace(LLAMA, num_layers=2),
-      MeshConfig(data=1, context=2, pipeline=2),
-      "mesh.pipeline = 2 with mesh.context = 2 is not supported",
     ),
   ],
 )
