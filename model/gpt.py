@@ -219,7 +219,12 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     q, k = rope.rotate(q, cfg, positions), rope.rotate(k, cfg, positions)
   if context.ranks() > 1:
     a = context.attention(
-      q, k, v, lambda q, k, v, mask: attention(q, k, v, cfg.attention, mask)
+      q,
+      k,
+      v,
+      lambda q, k, v, mask: attention(q, k, v, cfg.attention, mask),
+      ("batch", "length", "act_heads", None),
+      ("batch", "length", "act_kv_heads" if cfg.grouped_query else "act_heads", None),
     )
   else:
     a = attention(q, k, v, cfg.attention)

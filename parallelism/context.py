@@ -31,12 +31,11 @@ score entries (c = T / 2 CP) against the 2 CP c^2 a causal ring computes: 1.5x t
 attention work, a few per cent of a Llama step (docs/context.md).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from parallelism import rules
 
@@ -81,16 +80,26 @@ def attention(
   k: jax.Array,
   v: jax.Array,
   attend: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array],
+  q_axes: Sequence[str | None],
+  kv_axes: Sequence[str | None],
 ) -> jax.Array:
   """Causal attention over the context ranks. q [B, T, H, K], k, v [B, T, G, K], each split
-  along T over `context` in the program's token order -> [B, T, H, K], split likewise.
+  along T over `context` in the program's token order -> [B, T, H, K], split likewise;
+  q_axes and kv_axes are their logical axes (rules.py).
 
   attend(q, k, v, mask) is the local attention, mask [Tq, Tk] bool (True: attend). Each
-  rank all-gathers K/V and masks by true positions (module docstring); heads and batch
-  stay split as they are (the shard_map is manual over `context` only).
+  rank all-gathers K/V and masks by true positions (module docstring). The shard_map is
+  manual over every mesh axis: cuDNN attention's partitioning rule (jax 0.10.2) fails
+  inside one manual over some axes only, and in a fully manual region there is nothing
+  to partition. Batch and heads stay split as they are; where K/V heads are replicated
+  over `tensor` (fewer than its ranks) each rank takes the one its query heads share.
   """
   mesh = jax.sharding.get_abstract_mesh()
   context_ranks = mesh.shape[CONTEXT]
+  q_spec, kv_spec = (
+    rules.spec(rules.resolve(axes, x.shape, mesh.shape)) for axes, x in ((q_axes, q), (kv_axes, k))
+  )
+  H, G = q.shape[2], k.shape[2]
   # XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters, which the gather's
   # transpose is, so on CPU meshes K/V cross in float32 (as sequence.py's collectives do).
   device = mesh.abstract_device
@@ -106,9 +115,17 @@ def attention(
     rank, offset = index // (2 * c), index % (2 * c)
     return jnp.where(offset < c, rank * c + offset, (2 * context_ranks - 2 - rank) * c + offset)
 
+  def own_kv_head(x, local_heads):
+    """x [b, t, G, K], every K/V head -> [b, t, 1, K], the one this rank's `local_heads`
+    query heads (all in one group, as G < tensor ranks) use."""
+    first_head = jax.lax.axis_index(q_spec[2]) * local_heads
+    return jax.lax.dynamic_slice_in_dim(x, first_head // (H // G), 1, axis=2)
+
   def local(q, k, v):
     # q [b, 2c, H, K]: chunk r then chunk 2 CP - 1 - r; gathered k, v [b, T, G, K] in the
     # program's order, whose first c tokens of each rank's 2c are chunks 0 .. CP - 1.
+    if q_spec[2] is not None and kv_spec[2] is None and G > 1:
+      k, v = own_kv_head(k, q.shape[2]), own_kv_head(v, q.shape[2])
     k, v = gathered(k), gathered(v)
     b, t, g, kd = k.shape
     c = q.shape[1] // 2
@@ -130,14 +147,13 @@ def attention(
     out_late = attend(q[:, c:], k, v, q_positions[c:, None] >= kv_positions[None, :])
     return jnp.concatenate([out_early, out_late], axis=1)
 
-  seq = PartitionSpec(None, CONTEXT)
   # check_vma=False as in sequence.py: under the pipeline's vmaps (which add manual axes)
   # the inputs vary over axes the specs do not name; every collective here is explicit.
   return jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(seq, seq, seq),
-    out_specs=seq,
-    axis_names={CONTEXT} | rules.vmapped_axes(),
+    in_specs=(q_spec, kv_spec, kv_spec),
+    out_specs=q_spec,
+    axis_names=set(mesh.axis_names),
     check_vma=False,
   )(q, k, v)

@@ -23,7 +23,8 @@ from train.config import TrainConfig
 
 # A tiny Llama (4 query heads sharing 2 K/V heads, rotary positions) and a tiny GPT
 # (learned positions, fused QKV); T = 16 and D = 32 make the activation shapes below
-# recognisable in the HLO.
+# recognisable in the HLO (and F = 96 keeps a tensor rank's [F / tensor, D] MLP weight from
+# passing for a [T, D] activation).
 # The Llama's rotary base is small and unscaled so that positions turn its queries and
 # keys visibly over 16 tokens (Llama 3's 500,000 and factor 8 barely turn them at T = 16,
 # and a step with positions by index would pass for one with true positions).
@@ -31,7 +32,7 @@ LLAMA = dataclasses.replace(
   preset("llama3-tiny"),
   d_model=32,
   head_dim=8,
-  ffn_dim=64,
+  ffn_dim=96,
   seq_len=16,
   vocab_size=128,
   compute_dtype="float32",
@@ -141,14 +142,15 @@ def test_each_rank_holds_chunk_i_and_chunk_2cp_minus_1_minus_i():
   "model, mesh_cfg, sequence_parallel",
   [
     (LLAMA, MeshConfig(data=1, context=2), False),
-    (LLAMA, MeshConfig(data=1, context=2, tensor=2), True),
+    # 4 tensor ranks, 2 K/V heads: each rank takes the K/V head its query heads share.
+    (LLAMA, MeshConfig(data=1, context=2, tensor=4), True),
     (LLAMA, MeshConfig(data=2, context=2), False),
     # GPT: learned positions and a fused QKV kernel, with FSDP under tensor + SP.
     (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
   ],
   ids=[
     "llama-context2",
-    "llama-context2-tensor2-sp",
+    "llama-context2-tensor4-sp",
     "llama-context2-data2",
     "gpt-context2-fsdp2-tensor2-sp",
   ],
@@ -176,7 +178,10 @@ def _assert_split_over_context(
   # The K/V exchange: all-gathers of [.., T, G, K] over exactly the context groups, and
   # their transpose (dK, dV) reduce-scattered over them. Leading axes: batch rows, and
   # inside the pipeline its vmapped rank and replica axes.
-  T, G, K = model.seq_len, model.kv_heads, model.head_dim
+  # The shard_map is manual over every axis, so shapes are per device: a rank's K/V heads,
+  # G / tensor where they are split, the one its query heads share where there are fewer.
+  T, K = model.seq_len, model.head_dim
+  G = max(model.kv_heads // program.mesh.shape["tensor"], 1)
   groups, partitions = _context_groups(program), program.mesh.devices.size
   gathered = _collectives_over(text, "all-gather", groups, partitions)
   assert any(re.search(rf"\[(?:\d+,)+{T},{G}(?:,\d+)?,{K}\]", s) for s in gathered), gathered
