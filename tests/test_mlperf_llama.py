@@ -7,13 +7,18 @@ relative) absorbs only float rounding where a formula is written in another orde
 the code's.
 """
 
+import dataclasses
+
 import pytest
 
 import experiments
 from errors import UserInputError
 from experiments import mlperf_llama31_405b as mlperf
 from experiments._time_to_train import RcpNormalizedTimeToTrain
+from hardware import catalog
+from model.config import preset
 from parallelism import pipeline
+from projection import aot_compile, hlo, project, targets
 from reference import mlperf_llama31_405b as published
 
 V50, V51 = mlperf.BENCHMARKS["v5.0"], mlperf.BENCHMARKS["v5.1"]
@@ -153,3 +158,46 @@ def test_each_target_runs_its_published_run_or_its_generations_layout():
     model.vocab_size,
   ) == (126, 16384, 128, 8, 53248, 8192, 32_768)
   assert model.fp8 and model.sequence_parallel and not model.tie_embeddings
+
+
+# ----------------------------------------------------------------------------- compiled
+_CUDA, _WHY = targets.cuda_available()
+
+
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_the_published_layout_compiles_for_h100_with_masked_cudnn_attention():
+  """The benchmark's program at test size on 16 H100 (deviceless): context 2 x tensor 2
+  with sequence parallelism, a 1F1B pipeline 2, FP8 with delayed scaling, cuDNN attention.
+  Each rank's two query chunks run one masked cuDNN call each: the early chunk against
+  the first half of the sequence, the late one against all of it."""
+  T, CP, TP = 256, 2, 2
+  model = dataclasses.replace(
+    mlperf.MODEL,
+    **{f: getattr(preset("llama3-tiny"), f) for f in ("num_layers", "d_model", "num_heads")},
+    head_dim=16,
+    num_kv_heads=2,
+    ffn_dim=96,
+    vocab_size=256,
+    seq_len=T,
+    fp8_amax_history=4,
+  )
+  exp = experiments.at_target(experiments.load("mlperf_llama31_405b"), 8192, "h100")
+  exp = dataclasses.replace(
+    exp,
+    model=model,
+    mesh=dataclasses.replace(exp.mesh, context=CP, tensor=TP, pipeline=2),
+    train=dataclasses.replace(exp.train, global_batch=8, virtual_stages=1),
+    latency_profile=False,
+  )
+  reduced = project.plan(exp, catalog.get("h100"), 16)
+  train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
+  compiled = aot_compile.compile_step(exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8)
+  assert compiled.compile_target == "cuda"
+  calls = [n for n, _ in hlo.walk(compiled.program) if isinstance(n, hlo.Compute)]
+  kinds = {n.kind for n in calls if "fmha" in n.kind}
+  assert kinds == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
+  # Score rectangles of one micro-batch row and a rank's heads: c x (T / 2) and c x T,
+  # c = T / 2 CP; forward FLOPs 2 matmuls x 2 x scores x K, no causal half.
+  c, heads, K = T // (2 * CP), model.num_heads // TP, model.head_dim
+  forward = {n.dot_flops for n in calls if n.kind == "__cudnn$fmhaScaleBiasSoftmax"}
+  assert forward == {2 * 2 * heads * c * (T // 2) * K, 2 * 2 * heads * c * T * K}
