@@ -9,11 +9,12 @@ import re
 import jax
 import numpy as np
 import pytest
+from small_models import SMALL_LLAMA
 
 import experiments
 from errors import UserInputError
 from experiments import overrides
-from model.config import ModelConfig, preset
+from model.config import ModelConfig
 from parallelism import context, pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from projection import hlo_text, targets
@@ -29,12 +30,8 @@ from train.config import TrainConfig
 # keys visibly over 16 tokens (Llama 3's 500,000 and factor 8 barely turn them at T = 16,
 # and a step with positions by index would pass for one with true positions).
 LLAMA = dataclasses.replace(
-  preset("llama3-tiny"),
-  d_model=32,
-  head_dim=8,
+  SMALL_LLAMA,
   ffn_dim=96,
-  seq_len=16,
-  vocab_size=128,
   compute_dtype="float32",
   rope_theta=100.0,
   rope_scale_factor=1.0,

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from small_models import SMALL_LLAMA
 
 from errors import UserInputError
 from model import fp8
-from model.config import ModelConfig, preset
+from model.config import ModelConfig
 from model.gpt import GPT, KERNELS
 from parallelism import pipeline, rules, sequence
 from parallelism.mesh import MeshConfig, build_mesh, plan
@@ -264,16 +265,7 @@ def test_accumulated_micro_batches_record_their_largest_amax():
 
 
 # A tiny Llama (grouped-query attention, rotary positions) for context parallelism.
-LLAMA = dataclasses.replace(
-  preset("llama3-tiny"),
-  d_model=32,
-  head_dim=8,
-  ffn_dim=64,
-  seq_len=16,
-  vocab_size=128,
-  fp8=True,
-  fp8_amax_history=4,
-)
+LLAMA = dataclasses.replace(SMALL_LLAMA, fp8=True, fp8_amax_history=4)
 _RUNS = {}
 
 

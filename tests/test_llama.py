@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from small_models import SMALL_LLAMA
 
 import experiments
 from errors import UserInputError
@@ -23,15 +24,7 @@ from train import step as train_step
 from train.config import TrainConfig
 
 # The architecture of llama3-tiny, smaller: 4 query heads sharing 2 K/V heads.
-MODEL = dataclasses.replace(
-  preset("llama3-tiny"),
-  d_model=32,
-  head_dim=8,
-  ffn_dim=64,
-  seq_len=16,
-  vocab_size=128,
-  compute_dtype="float32",
-)
+MODEL = dataclasses.replace(SMALL_LLAMA, compute_dtype="float32")
 TRAIN = TrainConfig(
   global_batch=8, steps=2, warmup_steps=0, task="learnable", learning_rate=1e-2, lr_warmup_steps=1
 )
