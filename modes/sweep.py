@@ -18,9 +18,7 @@ def run(options: Options) -> list[dict]:
     definition,
     options.output_dir,
     jax.devices()[0].platform,
-    lambda hardware, n: experiment(
-      options, definition.mode, definition.overrides, n, hardware
-    ),
+    lambda hardware, n: experiment(options, definition.mode, definition.overrides, n, hardware),
     point_options(options),
   )
   summary.finish(records, options.output_dir)
