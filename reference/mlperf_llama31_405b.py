@@ -146,4 +146,3 @@ CALIBRATION = (
 # virtual stages, and tensor parallelism by generation.
 MICRO_BATCH, CONTEXT, PIPELINE, VIRTUAL_STAGES = 1, 2, 8, 8
 TENSOR_BY_HARDWARE = {"h100": 8, "h200": 4, "b200": 4, "gb200": 4, "gb300": 2}
-
