@@ -279,12 +279,14 @@ def _steps_on(mesh_cfg: MeshConfig, model: ModelConfig):
   return _RUNS[key]
 
 
-# Current scaling without sequence parallelism is left out (two more compiles): no code of
-# ours reduces its amaxes there, the partitioner's max over a sharded array does.
+# Context 2 without sequence parallelism is left out (two more compiles each, and the
+# suite's time is its budget): no code of ours reduces its amaxes there, the
+# partitioner's max over a sharded array does, and with it the recorded amaxes matched
+# one device's when this was built. The cases kept run sequence.py's own maxes.
 @pytest.mark.parametrize(
   "history, sequence_parallel",
-  [(4, False), (4, True), (0, True)],
-  ids=["delayed-cp2", "delayed-cp2-tp2-sp", "current-cp2-tp2-sp"],
+  [(4, True), (0, True)],
+  ids=["delayed-cp2-tp2-sp", "current-cp2-tp2-sp"],
 )
 def test_context_parallel_step_scales_like_the_same_step_without_context(
   history, sequence_parallel
