@@ -6,47 +6,39 @@ import dataclasses
 import pytest
 
 from errors import UserInputError
-from experiments import ExperimentConfig
-from model.config import ModelConfig
 from parallelism.mesh import MeshConfig
 from projection import aot_compile, compose, project, targets
 from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
 
-# 8 layers in 2 stages x 4 virtual stages (one-layer chunks), tensor 2, 8 micro-batches a
-# replica on 64 H100 (data 16): the pieces have 1 or 2 virtual stages and 2-8
-# micro-batches, so the target is an extrapolation in both.
-TOY = ExperimentConfig(
-  name="compose_toy",
-  description="composed projection",
-  model=ModelConfig(
-    name="compose_toy",
+
+@pytest.fixture(scope="module")
+def toy(toy_experiment):
+  """8 layers in 2 stages x 4 virtual stages (one-layer chunks), tensor 2, 8 micro-batches
+  a replica on 64 H100 (data 16): the pieces have 2 or 3 virtual stages and 6 or 8
+  micro-batches, so the target is an extrapolation in V."""
+  return toy_experiment(
+    "compose_toy",
+    mesh=MeshConfig(data=-1, tensor=2, pipeline=2),
+    train=TrainConfig(
+      global_batch=128,
+      micro_batch=1,
+      pipeline_schedule="1f1b",
+      virtual_stages=4,
+      shard_optimizer=True,
+    ),
+    shape="wide",
     num_layers=8,
-    d_model=256,
-    num_heads=4,
-    head_dim=64,
-    seq_len=256,
-    vocab_size=512,
-    compute_dtype="bfloat16",
     param_dtype="bfloat16",
-  ),
-  mesh=MeshConfig(data=-1, tensor=2, pipeline=2),
-  train=TrainConfig(
-    global_batch=128,
-    micro_batch=1,
-    pipeline_schedule="1f1b",
-    virtual_stages=4,
-    shard_optimizer=True,
-  ),
-)
+  )
 
 
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
-def test_composed_matches_the_full_compile_and_hits_its_cache(tmp_path, monkeypatch):
+def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, monkeypatch):
   monkeypatch.setenv(compose.CACHE_ENV, str(tmp_path))
-  composed = compose.project(TOY, "h100", 64)
-  reference = project.project(TOY, "h100", 64)
+  composed = compose.project(toy, "h100", 64)
+  reference = project.project(toy, "h100", 64)
   assert composed["pieces_cached"] is False
   assert composed["micro_batches"] == reference["micro_batches"] == 8
   # The target runs the first piece's loop bodies at its own trip counts; what differs is
@@ -64,14 +56,14 @@ def test_composed_matches_the_full_compile_and_hits_its_cache(tmp_path, monkeypa
     raise AssertionError("a cached piece was compiled again")
 
   monkeypatch.setattr(aot_compile, "compiled_program", no_compile)
-  again = compose.project(TOY, "h100", 64)
+  again = compose.project(toy, "h100", 64)
   assert again["pieces_cached"] is True
   assert again["step_time_s"] == composed["step_time_s"]  # same pieces, same arithmetic
 
 
-def test_lockstep_schedules_are_not_composed():
+def test_lockstep_schedules_are_not_composed(toy):
   lockstep = dataclasses.replace(
-    TOY, train=dataclasses.replace(TOY.train, pipeline_schedule="interleaved")
+    toy, train=dataclasses.replace(toy.train, pipeline_schedule="interleaved")
   )
   with pytest.raises(UserInputError, match="1f1b"):
     compose.project(lockstep, "h100", 64)

@@ -16,6 +16,8 @@ POINTS = [p for p in closing_the_loop.POINTS if p.name == "fsdp 2"]
 # profile's 8 rounds are noisy (runs at load average 7-8 have shown 0.8-1.3); a
 # projection off by 2x either way fails.
 LOW, HIGH = 0.5, 2.0
+# The steps and the profile are compiled as launch.py compiles them (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("optimized_host_code")
 
 
 @pytest.fixture(scope="module")

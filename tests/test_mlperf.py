@@ -2,11 +2,9 @@
 count, the --set parallelism shortcuts, FP8 matmuls at the FP8 rate, and NVL72 replicas
 kept inside racks. No 175B compile here (the calibration runs in
 benchmarks/mlperf_gpt3.py); the FP8 check compiles one small matmul deviceless.
-Every figure compared here is Python float arithmetic over the compiled HLO, and XLA's
-deviceless GPU compile is a deterministic function of the program and the target: the
-same on any machine with the pinned jax. pytest.approx's default (1e-6 relative) absorbs
-only float rounding where two formulas compute one quantity in another order; a wider
-bound compares two methods, and its reason is beside it.
+Figures are compared as in tests/test_projection.py (its docstring): float arithmetic over
+a deterministic compile, pytest.approx's default for rounding, a wider bound with its
+reason beside it.
 """
 
 import dataclasses

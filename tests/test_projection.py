@@ -1,6 +1,6 @@
 """Projection (projection/project.py and the modules it joins): compile reuse and its
 agreement with direct compiles, matmul FLOPs, HBM capacity, placement on the target, the
-cost model's streams, and bad input through launch.py.
+cost model's streams, and bad input in project mode (one case through launch.py).
 
 A deviceless GPU compile takes 10-20 s here whatever the model's size, so the small-model
 tests share three H100 compiles (compile_step's cache) and GPT-3 175B is compiled once;
@@ -28,8 +28,9 @@ import experiments
 from errors import UserInputError
 from experiments import ExperimentConfig
 from hardware import catalog
-from model.config import ModelConfig
 from model.flops import matmul_flops_per_step
+from modes import options as options_lib
+from modes import project as project_mode
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from projection import (
   aot_compile,
@@ -49,27 +50,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CUDA, _WHY = targets.cuda_available()
 deviceless = pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
 
-# One model replica (fsdp 2 x tensor 4) fills an 8-GPU H100 node. With micro-batches of one
-# sequence, 64 GPUs (data 8) run 8 micro-batches and 128 GPUs (data 16) run 4; both
-# compile as data 2 with 2 micro-batches (global batch 8).
-SMALL = ExperimentConfig(
-  name="small",
-  description="projection tests",
-  model=ModelConfig(
-    name="small",
-    num_layers=2,
-    d_model=256,
-    num_heads=4,
-    head_dim=64,
-    seq_len=256,
-    vocab_size=512,
-    remat="full",
-    compute_dtype="bfloat16",
-  ),
-  mesh=MeshConfig(data=-1, fsdp=2, tensor=4),
-  train=TrainConfig(global_batch=128, micro_batch=1),
-)
 H100 = catalog.get("h100")
+
+
+@pytest.fixture(scope="module")
+def small(toy_experiment):
+  """One model replica (fsdp 2 x tensor 4) fills an 8-GPU H100 node: the wide toy
+  (tests/conftest.py) with 2 layers, fully rematerialised. With micro-batches of one
+  sequence, 64 GPUs (data 8) run 8 micro-batches and 128 GPUs (data 16) run 4; both
+  compile as data 2 with 2 micro-batches (global batch 8)."""
+  return toy_experiment(
+    "small",
+    mesh=MeshConfig(data=-1, fsdp=2, tensor=4),
+    train=TrainConfig(global_batch=128, micro_batch=1),
+    shape="wide",
+    num_layers=2,
+    remat="full",
+  )
 
 
 def _with_batch(exp: ExperimentConfig, global_batch: int) -> ExperimentConfig:
@@ -95,12 +92,12 @@ def _rel(a: float, b: float) -> float:
 
 # ----------------------------------------------------------------------------- compiles
 @deviceless
-def test_data_axis_2_extended_to_16_matches_a_compile_at_16():
+def test_data_axis_2_extended_to_16_matches_a_compile_at_16(small):
   # Global batch 64 on 128 GPUs: 2 micro-batches, as compiled, so only the data axis grows.
   # The optimizer is split over data: its reduce-scatters and all-gathers grow their
   # groups, not their bytes, and its memory shrinks with the axis. (The next test extends
   # a replicated optimizer's all-reduces the same way, with micro-batches.)
-  exp = _with_batch(SMALL, 64)
+  exp = _with_batch(small, 64)
   exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, shard_optimizer=True))
   extended, direct = project.project(exp, "h100", 128), _direct(exp, 128)
   assert (extended["compiled_mesh"]["data"], direct["compiled_mesh"]["data"]) == (2, 16)
@@ -117,9 +114,9 @@ def test_data_axis_2_extended_to_16_matches_a_compile_at_16():
 
 
 @deviceless
-def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
+def test_gpu_counts_share_one_compile_and_match_a_direct_compile(small):
   before = aot_compile.compile_step.cache_info()
-  r64, r128 = project.project(SMALL, "h100", 64), project.project(SMALL, "h100", 128)
+  r64, r128 = project.project(small, "h100", 64), project.project(small, "h100", 128)
   after = aot_compile.compile_step.cache_info()
   assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
   assert (
@@ -131,7 +128,7 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
   assert r64["compiled_micro_batches"] == r128["compiled_micro_batches"] == 2
   # Per GPU, 64 GPUs run twice the micro-batches of 128: twice the matmuls, no more.
   assert r64["hlo_matmul_flops_per_step"] / 64 == 2 * r128["hlo_matmul_flops_per_step"] / 128
-  direct = _direct(SMALL, 128)  # data 16, 4 micro-batches, compiled as such
+  direct = _direct(small, 128)  # data 16, 4 micro-batches, compiled as such
   assert direct["compiled_micro_batches"] == 4
   # Two programs (2 micro-batches extended to 4, against 4 compiled): XLA's schedule and
   # buffer assignment differ a little; FLOPs are counted exactly.
@@ -141,13 +138,13 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile():
 
 
 @deviceless
-def test_over_capacity_is_reported_without_a_step_time():
-  fits = project.project(SMALL, "h100", 128)
+def test_over_capacity_is_reported_without_a_step_time(small):
+  fits = project.project(small, "h100", 128)
   assert fits["fits"] and fits["step_time_s"] > 0 and "over_capacity_gb" not in fits
   # The same program on an H100 with 1 MiB of memory (compile_step's cache is keyed by
   # the hardware's name, so this reuses the compile above).
   tiny = dataclasses.replace(H100, hbm_gib=1 / 1024)
-  record = project.project_on(SMALL, tiny, project.plan(SMALL, tiny, 128))
+  record = project.project_on(small, tiny, project.plan(small, tiny, 128))
   assert record["memory_per_gpu_gb"] > record["hbm_capacity_gb"]
   assert record["fits"] is False
   assert record["over_capacity_gb"] == pytest.approx(
@@ -169,12 +166,12 @@ def test_gpt3_175b_matmul_flops_match_the_analytical_count():
 
 
 @deviceless
-def test_latency_profile_names_the_instructions_xla_schedules(capfd, monkeypatch):
+def test_latency_profile_names_the_instructions_xla_schedules(small, capfd, monkeypatch):
   # XLA logs how many of the instructions it schedules it found in the profile and lists
   # the rest; the projection's profile must name them as XLA scheduled them (a
   # while-loop condition, which XLA does not schedule, may be missing).
   monkeypatch.setattr(aot_compile.platform_env, "captured_stderr", contextlib.nullcontext)
-  exp = dataclasses.replace(SMALL, latency_profile=True)
+  exp = dataclasses.replace(small, latency_profile=True)
   reduced = project.plan(exp, H100, 256)
   timer = collective_timing.collective_timer(reduced, H100)
   untuned, _ = aot_compile.compiled_program(
@@ -197,19 +194,11 @@ def test_latency_profile_names_the_instructions_xla_schedules(capfd, monkeypatch
     assert costs[node.scheduling_name] == pytest.approx(timer(node) * 1e6)
 
 
-def test_save_dots_matmul_flops_and_the_named_loop_on_cpu():
+def test_save_dots_matmul_flops_and_the_named_loop_on_cpu(toy_experiment):
   # One CPU device, 2 micro-batches run to 5 through the named accumulation loop; save_dots
   # adds the recomputed attention matmuls to the 3 x forward of remat none. (Full remat is
   # checked on GPT-3 175B above; a CPU compile costs 5-15 s here, so one policy.)
-  model = ModelConfig(
-    num_layers=3,
-    d_model=64,
-    num_heads=4,
-    head_dim=16,
-    seq_len=32,
-    vocab_size=256,
-    remat="save_dots",
-  )
+  model = toy_experiment(num_layers=3, remat="save_dots", compute_dtype="float32").model
   mesh = build_mesh(plan(MeshConfig(data=1), 1), jax.devices()[:1])
   step = train_step.build(model, TrainConfig(global_batch=2, micro_batch=1), mesh)
   program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
@@ -351,39 +340,30 @@ BAD_INPUT = {
 }
 
 
-@pytest.fixture(scope="module")
-def bad_input_runs(tmp_path_factory):
-  """Every BAD_INPUT case through launch.py, started at once (each is mostly jax start-up)."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  runs = {}
-  for case, ((hardware, gpus), _) in BAD_INPUT.items():
-    out = tmp_path_factory.mktemp("out")
-    command = [
-      sys.executable,
-      "launch.py",
-      "--mode=project",
-      "--experiment=gpt3",
-      f"--hardware={hardware}",
-      f"--gpus={gpus}",
-      f"--output_dir={out}",
-    ]
-    runs[case] = (
-      subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-      ),
-      out,
-    )
-  yield runs
-  for process, _ in runs.values():
-    process.kill()
-
-
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_projection_input_is_one_line_and_exit_2(case, bad_input_runs):
-  process, out = bad_input_runs[case]
-  _, stderr = process.communicate(timeout=120)
-  assert process.returncode == 2, stderr[-2000:]
-  lines = stderr.strip().splitlines()
-  assert len(lines) == 1 and "Traceback" not in stderr, stderr
-  assert BAD_INPUT[case][1] in lines[0]
-  assert not (out / "results.jsonl").exists()
+def test_bad_projection_input_is_one_line_before_anything_is_written(case, tmp_path):
+  # As launch.py runs project mode (its flags as Options): each refusal raised before the
+  # first compile, in one line, with nothing appended. The test below runs one through
+  # launch.py, whose handler prints any mode's UserInputError so and exits 2.
+  (hardware, gpus), message = BAD_INPUT[case]
+  options = options_lib.Options(
+    experiment="gpt3", mode="project", hardware=(hardware,), gpus=(gpus,), output_dir=str(tmp_path)
+  )
+  options_lib.check_paths(options)
+  with pytest.raises(UserInputError) as refused:
+    project_mode.run(options)
+  assert message in str(refused.value) and "\n" not in str(refused.value)
+  assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_bad_projection_input_through_launch_is_one_line_and_exit_2(tmp_path):
+  (hardware, gpus), message = BAD_INPUT["global batch"]
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  flags = ["--mode=project", "--experiment=gpt3", f"--hardware={hardware}", f"--gpus={gpus}"]
+  command = [sys.executable, "launch.py", *flags, f"--output_dir={tmp_path}"]
+  out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+  assert message in lines[0]
+  assert not (tmp_path / "results.jsonl").exists()
