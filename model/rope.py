@@ -41,19 +41,25 @@ def frequencies(cfg: ModelConfig) -> np.ndarray:
   return (1 - ramp) * freq / s + ramp * freq
 
 
-def rotate(x: jax.Array, cfg: ModelConfig, positions: np.ndarray | None = None) -> jax.Array:
+def rotate(
+  x: jax.Array, cfg: ModelConfig, positions: np.ndarray | jax.Array | None = None
+) -> jax.Array:
   """Queries or keys x [B, T, heads, K] rotated by their positions [T] (default
   0 .. T - 1; with context parallelism the tokens' true positions, which the
-  load-balanced order permutes).
+  load-balanced order permutes; traced on one context rank's slab).
 
-  The angles are constants of the program (float32, computed here in float64 first);
+  The angles are constants of the program (float32, computed here in float64 first;
+  traced positions take their rows of the table of all model.seq_len positions);
   the rotation runs in float32 and returns x's dtype.
   """
   T, K = x.shape[1], x.shape[-1]
-  positions = np.arange(T) if positions is None else np.asarray(positions)
-  angles = positions.astype(np.float64)[:, None] * frequencies(cfg)[None, :]  # [T, K/2]
-  cos = jnp.asarray(np.cos(angles), jnp.float32)[:, None, :]  # [T, 1, K/2]
+  positions = np.arange(T) if positions is None else positions
+  rows = np.arange(cfg.seq_len) if isinstance(positions, jax.Array) else np.asarray(positions)
+  angles = rows.astype(np.float64)[:, None] * frequencies(cfg)[None, :]  # [rows, K/2]
+  cos = jnp.asarray(np.cos(angles), jnp.float32)[:, None, :]  # [rows, 1, K/2]
   sin = jnp.asarray(np.sin(angles), jnp.float32)[:, None, :]
+  if isinstance(positions, jax.Array):
+    cos, sin = cos[positions], sin[positions]  # [T, 1, K/2]
   x32 = x.astype(jnp.float32)
   first, second = x32[..., : K // 2], x32[..., K // 2 :]
   return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(

@@ -29,6 +29,11 @@ attention or XLA's): the early chunk (r < CP) against the K/V of chunks 0 .. CP 
 cuDNN kernel computes its whole score rectangle, so a rank's attention costs 3 CP c^2
 score entries (c = T / 2 CP) against the 2 CP c^2 a causal ring computes: 1.5x the
 attention work, a few per cent of a Llama step (docs/context.md).
+
+The train step maps each rank's slab apart (parallelism/gradients.py: jax.vmap over
+`context`, axis name SLAB), so weight gradients build up per rank and are reduced once a
+step; inside that map (`slabbed`) the model sees one slab of T / CP tokens, already in
+order, and takes its positions from the slab's index.
 """
 
 from collections.abc import Callable, Sequence
@@ -40,6 +45,8 @@ import numpy as np
 from parallelism import rules
 
 CONTEXT = "context"
+# The name of the jax.vmap over the context ranks' slabs (parallelism/gradients.py).
+SLAB = "context_slab"
 
 
 def ranks() -> int:
@@ -61,16 +68,41 @@ def order(seq_len: int, context_ranks: int) -> np.ndarray:
   )
 
 
-def positions(seq_len: int) -> np.ndarray:
-  """True positions of the program's tokens on the current mesh."""
-  return order(seq_len, ranks())
+def slabbed() -> bool:
+  """Whether the code being traced runs on one context rank's slab of each sequence:
+  jax.vmap over `context` (axis name SLAB; parallelism/gradients.py), rather than on the
+  whole sequence split by the partitioner."""
+  return CONTEXT in rules.vmapped_axes()
+
+
+def slabs(tokens: jax.Array, context_ranks: int) -> jax.Array:
+  """tokens [..., T] -> [..., CP, T / CP]: rank r's slab, chunks r and 2 CP - 1 - r, at r."""
+  ordered = tokens if context_ranks == 1 else tokens[..., order(tokens.shape[-1], context_ranks)]
+  return ordered.reshape(*tokens.shape[:-1], context_ranks, -1)
+
+
+def _true_position(index: jax.Array, c: int, context_ranks: int) -> jax.Array:
+  """The true positions (`order`) of the program's tokens `index`, 2c a rank."""
+  rank, offset = index // (2 * c), index % (2 * c)
+  return jnp.where(offset < c, rank * c + offset, (2 * context_ranks - 2 - rank) * c + offset)
+
+
+def positions(seq_len: int) -> np.ndarray | jax.Array:
+  """True positions of the program's tokens [seq_len] on the current mesh; on a slab
+  (`slabbed`, seq_len its length) those of this rank's, from iota and the rank index (no
+  array constant: the layers' remat recomputes them, see `attention`)."""
+  if not slabbed():
+    return order(seq_len, ranks())
+  rank = jax.lax.axis_index(SLAB)
+  return _true_position(rank * seq_len + jax.lax.iota(jnp.int32, seq_len), seq_len // 2, ranks())
 
 
 def permuted(tokens: jax.Array) -> jax.Array:
   """tokens [..., T] (inputs or targets; the pipelined losses' carry leading micro-batch
-  axes) in the program's token order; unchanged with one context rank."""
+  axes) in the program's token order; unchanged with one context rank, and on a slab,
+  which `slabs` cut from the ordered tokens."""
   context_ranks = ranks()
-  if context_ranks == 1:
+  if context_ranks == 1 or slabbed():
     return tokens
   return tokens[..., order(tokens.shape[-1], context_ranks)]
 
@@ -110,11 +142,6 @@ def attention(
       x.dtype
     )
 
-  def true_position(index, c):
-    """The true positions (`order`) of the program's tokens `index`, 2c a rank."""
-    rank, offset = index // (2 * c), index % (2 * c)
-    return jnp.where(offset < c, rank * c + offset, (2 * context_ranks - 2 - rank) * c + offset)
-
   def own_kv_head(x, local_heads):
     """x [b, t, G, K], every K/V head -> [b, t, 1, K], the one this rank's `local_heads`
     query heads (all in one group, as G < tensor ranks) use."""
@@ -138,10 +165,10 @@ def attention(
     # as residuals, which the 1F1B pipeline would store per stage (one_f_one_b.py slots)
     # and so batch over `pipeline`, and cuDNN attention's batching rule cannot take a
     # batched [1, 1, Tq, Tk] mask (jax 0.10.2 reshapes it to [B, H, Tq, Tk]).
-    q_positions = true_position(
-      jax.lax.axis_index(CONTEXT) * 2 * c + jax.lax.iota(jnp.int32, 2 * c), c
+    q_positions = _true_position(
+      jax.lax.axis_index(CONTEXT) * 2 * c + jax.lax.iota(jnp.int32, 2 * c), c, context_ranks
     )
-    kv_positions = true_position(jax.lax.iota(jnp.int32, t), c)
+    kv_positions = _true_position(jax.lax.iota(jnp.int32, t), c, context_ranks)
     early_positions = jax.lax.iota(jnp.int32, t // 2)  # chunks 0 .. CP - 1, in order
     out_early = attend(q[:, :c], early(k), early(v), q_positions[:c, None] >= early_positions)
     out_late = attend(q[:, c:], k, v, q_positions[c:, None] >= kv_positions[None, :])

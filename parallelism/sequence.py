@@ -121,7 +121,10 @@ def matmul(
   # w may carry its FP8 cast and per-tensor scales (model/fp8.py CastWeight): the cast is
   # laid out like w; each scalar is a scale, given to every rank as its own copy.
   scalars = jax.tree.map(lambda leaf: jnp.ndim(leaf) == 0, w)
-  ranks = math.prod(mesh.shape[a] for a in every_rank)
+  # Each scale's copies: one per rank of the manual axes not vmapped (on a context slab,
+  # parallelism/context.py, the vmap keeps the copies apart over `context`).
+  copies = tuple(a for a in every_rank if a not in rules.vmapped_axes())
+  ranks = math.prod(mesh.shape[a] for a in copies)
 
   def local(x, w):
     w = jax.tree.map(lambda leaf, scalar: leaf[0] if scalar else leaf, w, scalars)
@@ -136,7 +139,7 @@ def matmul(
 
   x_spec, w_spec, out_spec = (_manual_only(a, manual) for a in (x_axes, w_axes, out_axes))
   w = jax.tree.map(lambda leaf, scalar: _per_rank(leaf, ranks) if scalar else leaf, w, scalars)
-  w_specs = jax.tree.map(lambda scalar: PartitionSpec(every_rank) if scalar else w_spec, scalars)
+  w_specs = jax.tree.map(lambda scalar: PartitionSpec(copies) if scalar else w_spec, scalars)
   # Under the pipeline's vmaps (spmd_axis_name `pipeline` and `data`) those axes must be
   # manual here too; elsewhere they stay automatic (an unused manual axis would get
   # no-op all-reduces over one-device groups in the backward pass).

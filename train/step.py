@@ -140,6 +140,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     micro_batches,
     train_cfg.pipeline_schedule,
     train_cfg.pipeline_passes,
+    mesh.shape.get(context.CONTEXT, 1),
   )
   abstract = jax.eval_shape(init)
   sharding.check_divisible(abstract.params, mesh)
