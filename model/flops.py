@@ -77,27 +77,57 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float
   return 6.0 * matmul_param_count(cfg) + attention
 
 
-def matmul_flops_per_step(cfg: ModelConfig, global_batch: int) -> float:
+def attended_keys(cfg: ModelConfig, context_ranks: int = 1) -> float:
+  """Keys each query's attention kernel scores, on average over the T queries: T for
+  XLA's attention (the masked half computed too); T / 2 for cuDNN's causal kernel, which
+  skips the masked blocks; 3T / 4 with context parallelism, whose masked calls score the
+  early query chunk against half the sequence and the late one against all of it
+  (parallelism/context.py)."""
+  T = cfg.seq_len
+  if context_ranks > 1:
+    return 0.75 * T
+  return T / 2 if cfg.attention == "cudnn" else float(T)
+
+
+def matmul_flops_per_step(
+  cfg: ModelConfig,
+  global_batch: int,
+  context_ranks: int = 1,
+  layer_rows: int | None = None,
+  layer_passes: float = 1.0,
+) -> float:
   """Matmul FLOPs of one compiled train step of model/gpt.py, recomputation included.
 
   Unlike `train_flops_per_token` this counts what XLA runs, so a compiled program's
-  matmul FLOPs can be checked against it:
+  matmul FLOPs can be checked against it. Per token, with A keys scored a query
+  (`attended_keys`):
 
-    forward   2 * N_matmul + 4 * L * T * H * K per token: attention over the full
-              T x T square, since XLA computes the masked half too
+    forward   2 * N_matmul + 4 * L * A * H * K
     backward  twice the forward: an input and a weight (or second operand) gradient
-              for every matmul, the first layer's included (the embeddings train)
-    remat     "none": nothing more. "save_dots": the attention matmuls (Q.K^T and
-              probs.V have batch dimensions, so the policy does not save them) are
-              recomputed, + 4 * L * T * H * K. "full": each layer's forward is recomputed
-              except fc2 (down), whose output only feeds the residual sum that the
-              backward pass does not need (XLA drops it):
-              + 2 * L * (N_layer - DF) + 4 * L * T * H * K, N_layer a layer's matmul
-              weights (3DHK + HKD + 2DF for GPT-3).
+              for every matmul, the first layer's included (the embeddings train);
+              cuDNN's attention backward runs five matmuls, not four (it recomputes
+              Q.K^T): 5 * L * A * H * K
+    remat     "none": nothing more with XLA's attention. "save_dots": the attention
+              matmuls (Q.K^T and probs.V have batch dimensions, so the policy does not
+              save them) are recomputed, + 4 * L * A * H * K. "elementwise": Q.K^T
+              again for the softmax's backward, + 2 * L * A * H * K. "full": each
+              layer's forward is recomputed except fc2 (down), whose output only feeds
+              the residual sum that the backward pass does not need (XLA drops it):
+              + 2 * L * (N_layer - DF) + 4 * L * A * H * K, N_layer a layer's matmul
+              weights (3DHK + HKD + 2DF for GPT-3). cuDNN's attention is one kernel
+              whose softmax statistics no policy saves: under every policy its forward
+              runs again, + 4 * L * A * H * K.
+
+  Pipelined, the layer terms count `layer_rows` rows (an uneven split's padding rows
+  compute too, their output discarded: parallelism/pipeline.py) and run `layer_passes`
+  times per micro-batch chunk (the 1F1B schedule's ranks compute in every trip, the
+  idle ones on stale data: (M V + P - 1) / (M V), parallelism/one_f_one_b.py).
 
   Equal to projection/hlo.py's dot FLOPs of compiled steps: GPT-3 175B with full remat
-  on H100 and a small model with save_dots on CPU (tests/test_projection.py); small
-  models with each policy on CPU when this was written.
+  on H100 and a small model with save_dots on CPU (tests/test_projection.py), the Llama
+  benchmark's layout at test size on H100 (tests/test_mlperf_llama.py); when this was
+  written, that layout under each policy with either attention, and small models with
+  each policy on CPU.
   """
   L, D, H, K, F, T = (
     cfg.num_layers,
@@ -107,11 +137,18 @@ def matmul_flops_per_step(cfg: ModelConfig, global_batch: int) -> float:
     cfg.d_ff,
     cfg.seq_len,
   )
-  attention = 4 * L * T * H * K
-  forward = 2 * matmul_param_count(cfg) + attention
+  A = attended_keys(cfg, context_ranks)
+  scores = 4 * A * H * K  # one layer's attention matmuls, forward, a token
+  backward_scores = scores * (5 / 2 if cfg.attention == "cudnn" else 2)
+  layer_forward = 2 * layer_matmul_param_count(cfg) + scores
+  cudnn = cfg.attention == "cudnn"
   recompute = {
-    "none": 0,
-    "save_dots": attention,
-    "full": 2 * L * (layer_matmul_param_count(cfg) - D * F) + attention,
+    "none": scores if cudnn else 0,
+    "save_dots": scores,
+    "elementwise": scores if cudnn else scores / 2,
+    "full": 2 * (layer_matmul_param_count(cfg) - D * F) + scores,
   }[cfg.remat]
-  return float(3 * forward + recompute) * global_batch * T
+  per_layer = layer_forward + (layer_forward - scores) * 2 + backward_scores + recompute
+  head = 3 * 2 * cfg.padded_vocab * D
+  layers = (layer_rows or L) * per_layer * layer_passes
+  return float(layers + head) * global_batch * T

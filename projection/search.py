@@ -2,14 +2,16 @@
 
 For one experiment on N GPUs of one generation:
 
-1. Enumerate every (tensor parallel, pipeline parallel, virtual stages, micro-batch,
-   remat, pipeline schedule) in the space: tensor parallel over the divisors of the NVLink
-   domain (8 on HGX, 72 on NVL72), pipeline and virtual stages over the divisors of the
-   layer count (virtual stages and schedules only with a pipeline), micro-batches over the
-   divisors of the global batch, every remat policy, and as schedule 1f1b or the lockstep
-   one (gpipe, interleaved) in each of PIPELINE_PASSES passes. Data parallelism takes the
-   rest of the GPUs; fsdp, the global batch and everything else stay as the experiment
-   has them.
+1. Enumerate every (tensor parallel, context parallel, pipeline parallel, virtual stages,
+   micro-batch, remat, pipeline schedule) in the space: tensor parallel over the divisors
+   of the NVLink domain (8 on HGX, 72 on NVL72), context parallel over CONTEXT_PARALLEL
+   for sequences of CONTEXT_MIN_SEQ_LEN tokens and more, pipeline and virtual stages over
+   the divisors of the layer count and of it + 2 (an uneven split, the embedding and the
+   loss counted as layers; virtual stages and schedules only with a pipeline),
+   micro-batches over the divisors of the global batch, every remat policy, and as
+   schedule 1f1b or the lockstep one (gpipe, interleaved) in each of PIPELINE_PASSES
+   passes. Data parallelism takes the rest of the GPUs; fsdp, the global batch and
+   everything else stay as the experiment has them.
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
    candidate that survives would compile: `project.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
@@ -49,6 +51,11 @@ DEFAULT_BUDGET = 12
 # Pipeline passes tried: fewer passes keep more micro-batches' activations (memory) for
 # fewer fill and drain trips (time); pipeline.check drops those that do not divide.
 PIPELINE_PASSES = (1, 2, 4, 8, 16)
+# Context-parallel sizes tried (parallelism/context.py), from sequences this long: the
+# published Llama 3.1 405B runs use 2 at 8,192 tokens (docs/llama.md); GPT-3's 2,048-token
+# sequences are searched without it.
+CONTEXT_PARALLEL = (1, 2, 4, 8)
+CONTEXT_MIN_SEQ_LEN = 8192
 STATE_REASON = "memory: parameters and optimizer state over HBM"
 _FIELD = re.compile(r"\b(?:model|mesh|train)\.[a-z0-9_]+")
 
@@ -62,6 +69,7 @@ class Candidate:
   remat: str
   pipeline_passes: int = 1
   one_f_one_b: bool = False
+  context_parallel: int = 1
 
   @property
   def schedule(self) -> str:
@@ -70,16 +78,18 @@ class Candidate:
     return "interleaved" if self.virtual_stages > 1 else "gpipe"
 
   def describe(self) -> str:
+    context = f"CP {self.context_parallel}, " if self.context_parallel > 1 else ""
     return (
-      f"TP {self.tensor_parallel}, PP {self.pipeline_parallel}, VS {self.virtual_stages}, "
-      f"micro-batch {self.micro_batch}, {self.schedule} in {self.pipeline_passes} pass(es), "
-      f"remat {self.remat}"
+      f"TP {self.tensor_parallel}, {context}PP {self.pipeline_parallel}, "
+      f"VS {self.virtual_stages}, micro-batch {self.micro_batch}, "
+      f"{self.schedule} in {self.pipeline_passes} pass(es), remat {self.remat}"
     )
 
   def assignments(self) -> tuple[str, ...]:
     """The `--set` overrides that select this configuration (experiments/overrides.py)."""
     return (
       f"tensor_parallel={self.tensor_parallel}",
+      f"context_parallel={self.context_parallel}",
       f"pipeline_parallel={self.pipeline_parallel}",
       f"virtual_stages={self.virtual_stages}",
       f"train.pipeline_schedule={self.schedule}",
@@ -92,7 +102,12 @@ class Candidate:
     """`exp` with this configuration; data parallelism takes the remaining GPUs."""
     fsdp = exp.mesh.fsdp if exp.mesh.fsdp > 0 else 1
     mesh = dataclasses.replace(
-      exp.mesh, data=-1, fsdp=fsdp, tensor=self.tensor_parallel, pipeline=self.pipeline_parallel
+      exp.mesh,
+      data=-1,
+      fsdp=fsdp,
+      tensor=self.tensor_parallel,
+      context=self.context_parallel,
+      pipeline=self.pipeline_parallel,
     )
     train = dataclasses.replace(
       exp.train,
@@ -111,20 +126,19 @@ class Prior:
   """A back-of-envelope estimate, used only to order candidates.
 
   Memory: parameters and optimizer state per GPU, exact from their shardings; the
-  gradients, one copy of the parameters; saved activations, per layer and token: the
-  layer input (2 bytes x d_model) under full remat, the weight matmuls' outputs (9 x
-  d_model, bf16; FP8 products are bf16 too) under save_dots, QKV, attention and fc1
-  outputs, the layer input and the mid-block residual (20 x d_model) under elementwise,
-  34 x d_model bytes without remat (Korthikanti et al. 2022, flash attention), split over
-  tensor parallelism with sequence parallelism. A pipelined step keeps every micro-batch's
-  activations of its stage in a pass (the lockstep schedule runs a pass's forward trips
-  before its backward ones); the 1f1b schedule, its forward chunks in flight (about P
-  micro-batches' worth); gradient accumulation keeps one micro-batch's.
+  gradients, one copy of the parameters; saved activations, per layer and token as the
+  remat policy saves them (`activation_bytes_per_token_layer`). A pipelined step keeps
+  every micro-batch's activations of its stage in a pass (the lockstep schedule runs a
+  pass's forward trips before its backward ones); the 1f1b schedule, its forward chunks
+  in flight (about P micro-batches' worth); gradient accumulation keeps one
+  micro-batch's.
 
   Time: model FLOPs (x 4/3 under full remat) at the achievable matmul rate, stretched by
   the pipeline's idle trips; each micro-batch reading its GPU's weights from HBM (3
   passes, 4 with full remat); tensor-parallel activations (8 x d_model bytes per token
-  and layer, each way) over NVLink; the gradient all-reduce over the NICs.
+  and layer, each way) over NVLink; context parallelism's K/V gathers (2 x K/V heads x
+  head size bytes a token and layer, each pass) and the gradient all-reduce over data and
+  context, over the NICs. Context ranks split the tokens, and so the activations.
   """
 
   state_gb: float
@@ -158,18 +172,40 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_sizes(exp) -> list[int]:
+  """The context-parallel sizes searched: CONTEXT_PARALLEL where the sequence splits into
+  2 x CP chunks and the model's attention can use the axis; 1 alone where the experiment
+  is not `context_searched`."""
+  if not context_searched(exp):
+    return [1]
+  return [cp for cp in CONTEXT_PARALLEL if exp.model.seq_len % (2 * cp) == 0]
+
+
+def context_searched(exp) -> bool:
+  """Whether the search tries context parallelism: for sequences of CONTEXT_MIN_SEQ_LEN
+  tokens and more, where activations rather than weights fill memory."""
+  return exp.model.seq_len >= CONTEXT_MIN_SEQ_LEN
+
+
+def _stage_counts(layers: int) -> list[int]:
+  """Pipeline stages and virtual stages tried: the divisors of the layer count and, for an
+  uneven split (the embedding and the loss counted as layers, pipeline.split), of it + 2."""
+  return sorted(set(_divisors(layers)) | set(_divisors(layers + 2)))
+
+
 def enumerate_space(exp, hw: Hardware) -> Iterator[Candidate]:
   """Every candidate of the space (module docstring, step 1), before any check."""
-  layers = exp.model.num_layers
+  stage_counts = _stage_counts(exp.model.num_layers)
   for tp in _divisors(hw.nvlink_domain_size):
-    for pp in _divisors(layers):
-      for vs in _divisors(layers) if pp > 1 else [1]:
-        for mb in _divisors(exp.train.global_batch):
-          for remat in REMAT_POLICIES:
-            for passes in PIPELINE_PASSES if pp > 1 else (1,):
-              yield Candidate(tp, pp, vs, mb, remat, passes)
-            if pp > 1:
-              yield Candidate(tp, pp, vs, mb, remat, 1, one_f_one_b=True)
+    for cp in context_sizes(exp):
+      for pp in stage_counts:
+        for vs in stage_counts if pp > 1 else [1]:
+          for mb in _divisors(exp.train.global_batch):
+            for remat in REMAT_POLICIES:
+              for passes in PIPELINE_PASSES if pp > 1 else (1,):
+                yield Candidate(tp, pp, vs, mb, remat, passes, context_parallel=cp)
+              if pp > 1:
+                yield Candidate(tp, pp, vs, mb, remat, 1, one_f_one_b=True, context_parallel=cp)
 
 
 def _reason(error: UserInputError) -> str:
@@ -178,19 +214,40 @@ def _reason(error: UserInputError) -> str:
   return found.group(0) if found else str(error)
 
 
+def activation_bytes_per_token_layer(model, tp: int) -> float:
+  """Bytes a GPU keeps per token and layer for the backward pass under model.remat, the
+  policies' saved values (model/gpt.py _REMAT) in bfloat16: "full" the layer input;
+  "save_dots" every weight matmul's output, the column-parallel ones (Q/K/V, fc1 or
+  gate/up) split over tensor, the row-parallel ones (attention output, fc2 or down) whole,
+  as they leave the matmul before their reduce-scatter; "elementwise" the layer input and
+  the mid-block residual, Q/K/V, the attention output and fc1 (gate/up). "none":
+  34 x d_model bytes (Korthikanti et al. 2022, flash attention). The residual stream's
+  values are split over tensor with sequence parallelism."""
+  d = model.d_model
+  shard = tp if model.sequence_parallel else 1
+  qkv = (model.num_heads + 2 * model.kv_heads) * model.head_dim
+  attention = model.num_heads * model.head_dim
+  mlp_in = (2 if model.mlp == "swiglu" else 1) * model.d_ff
+  values = {
+    "full": d / shard,
+    "save_dots": (qkv + mlp_in) / tp + 2 * d,
+    "elementwise": 2 * d / shard + (qkv + attention + mlp_in) / tp,
+    "none": 17 * d / shard,
+  }[model.remat]
+  return 2 * values
+
+
 def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> Prior:
   """`Prior` of `exp` laid out as `reduced.target` on `hw`."""
   model, sizes = exp.model, reduced.target.sizes
   tp, pp, data, fsdp = sizes["tensor"], sizes["pipeline"], sizes["data"], sizes["fsdp"]
+  cp = sizes.get("context", 1)
   virtual = exp.train.virtual_stages if pp > 1 else 1
   micro = reduced.micro_batches
   per_replica_tokens = exp.train.global_batch // (data * fsdp) * model.seq_len
   layers_per_gpu = model.num_layers / pp
   d = model.d_model
-  shard = tp if model.sequence_parallel else 1
-  per_token_layer = {"full": 2 * d, "save_dots": 9 * d * 2, "elementwise": 20 * d, "none": 34 * d}[
-    model.remat
-  ] / shard
+  per_token_layer = activation_bytes_per_token_layer(model, tp)
   schedule = exp.train.pipeline_schedule
   passes = pipeline.passes(exp.train.pipeline_passes, micro, pp, schedule) if pp > 1 else 1
   held_tokens = per_replica_tokens / passes if pp > 1 else per_replica_tokens / micro
@@ -199,7 +256,8 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
     # The forward chunks in flight: slots of a chunk's layers on one micro-batch.
     held_tokens = per_replica_tokens / micro
     held_layers = one_f_one_b.schedule(micro, pp, virtual).slots * layers_per_gpu / virtual
-  activations = held_tokens * held_layers * per_token_layer
+  # Each context rank holds 1 / CP of every sequence's tokens.
+  activations = held_tokens * held_layers * per_token_layer / cp
   weight_bytes = param_count(model) * jax.numpy.dtype(model.param_dtype).itemsize / (tp * pp * fsdp)
 
   gpus = reduced.target.devices
@@ -210,12 +268,20 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   compute_s = flops / (rate * 1e12) / (1 - bubble)
   weight_reads = 4 if model.remat == "full" else 3
   hbm_s = micro * weight_reads * weight_bytes / (hw.hbm_achievable_tb_s * 1e12)
-  tp_bytes = 2 * 8 * d * per_replica_tokens * layers_per_gpu * (tp - 1) / tp
+  tp_bytes = 2 * 8 * d * per_replica_tokens / cp * layers_per_gpu * (tp - 1) / tp
   tp_s = tp_bytes / (hw.allgather_ring_busbw_gb_s * 1e9) if tp > 1 else 0.0
-  dp_s = 2 * weight_bytes * (data - 1) / data / (hw.nic_gb_s_per_gpu * 1e9)
-  return Prior(
-    state_bytes / GB, weight_bytes / GB, activations / GB, compute_s + hbm_s + tp_s + dp_s, bubble
-  )
+  # Context: each layer gathers the other ranks' K/V (2 G K bf16 values a token) forward,
+  # again when full remat recomputes it, and reduce-scatters dK/dV backward; over NVLink
+  # when tensor x context fits in the NVLink domain, else over the NICs.
+  kv_bytes = 2 * model.kv_heads * model.head_dim * 2 * per_replica_tokens * (cp - 1) / cp
+  cp_bw = hw.allgather_ring_busbw_gb_s if tp * cp <= hw.nvlink_domain_size else hw.nic_gb_s_per_gpu
+  cp_passes = 3 if model.remat == "full" else 2
+  cp_s = cp_passes * kv_bytes * layers_per_gpu / (cp_bw * 1e9)
+  # The gradients are reduced over data and context together.
+  reducers = data * cp
+  dp_s = 2 * weight_bytes * (reducers - 1) / reducers / (hw.nic_gb_s_per_gpu * 1e9)
+  step_s = compute_s + hbm_s + tp_s + cp_s + dp_s
+  return Prior(state_bytes / GB, weight_bytes / GB, activations / GB, step_s, bubble)
 
 
 def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
@@ -330,6 +396,7 @@ def search(
       "prior_rank": i,
       "set": list(candidate.assignments()),
       "tensor_parallel": candidate.tensor_parallel,
+      "context_parallel": candidate.context_parallel,
       "pipeline_parallel": candidate.pipeline_parallel,
       "virtual_stages": candidate.virtual_stages,
       "micro_batch": candidate.micro_batch,

@@ -79,7 +79,7 @@ def projection_table(records: list[dict]) -> str:
       timing = (
         r["step_time_s"],
         f"{r['tokens_per_s_per_device']:,.0f}",
-        f"{r['mfu']:.1%}",
+        _mfu(r),
         memory,
         b["compute_s"],
         b["exposed_comm_s"],
@@ -123,6 +123,7 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
     lines.append(f"none of the {len(found.records)} projected fits; the least over capacity:")
   headers = [
     "TP",
+    "CP",
     "PP",
     "VS",
     "micro-batch",
@@ -142,9 +143,10 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
     s = r["search"]
     memory = f"{r['memory_per_gpu_gb']:.1f} / {r['hbm_capacity_gb']:.0f}"
     step = r["step_time_s"] if r["fits"] else f"does not fit: {r['over_capacity_gb']:.1f} GB over"
-    mfu = f"{r['mfu']:.1%}" if r["fits"] else ""
+    mfu = _mfu(r) if r["fits"] else ""
     row = [
       s["tensor_parallel"],
+      s.get("context_parallel", 1),
       s["pipeline_parallel"],
       s["virtual_stages"],
       s["micro_batch"],
@@ -162,3 +164,10 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
   lines.append(table.columns(headers, rows))
   lines.append(f"best: --set {' --set '.join(best[0]['search']['set'])}")
   return "\n".join(lines)
+
+
+def _mfu(record: dict) -> str:
+  """MFU against the peak of the precision the matmuls run in: FP8 runs' of the FP8 peak."""
+  if "mfu_fp8" in record:
+    return f"{record['mfu_fp8']:.1%} fp8"
+  return f"{record['mfu']:.1%}"

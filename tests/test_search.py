@@ -37,7 +37,9 @@ def _valid_by_the_rules(exp: ExperimentConfig, c: search.Candidate, gpus: int = 
   tp, pp, vs, mb = c.tensor_parallel, c.pipeline_parallel, c.virtual_stages, c.micro_batch
   if m.num_heads % tp or H100.nvlink_domain_size % tp or gpus % (tp * pp):
     return False
-  if m.num_layers % (pp * vs):
+  chunks = pp * vs
+  # Equal chunks, or with the embedding and the loss counted as layers (2 slots or more).
+  if m.num_layers % chunks and ((m.num_layers + 2) % chunks or m.num_layers + 2 < 2 * chunks):
     return False
   data = gpus // (tp * pp)
   if t.global_batch % (data * mb):
@@ -53,10 +55,11 @@ def _valid_by_the_rules(exp: ExperimentConfig, c: search.Candidate, gpus: int = 
 def test_enumeration_and_pruning_follow_the_shape_rules(small):
   ranking = search.rank(small, H100, 8)
   space = list(search.enumerate_space(small, H100))
-  # TP over the divisors of the NVLink domain, PP and VS over those of the layers (VS and
-  # schedules only with a pipeline: 1f1b, or lockstep in each number of passes),
-  # micro-batches over the divisors of the global batch, every remat.
-  pipelined = 2 * 3 * (len(search.PIPELINE_PASSES) + 1)
+  # TP over the divisors of the NVLink domain, PP and VS over those of the layers (4) and
+  # of the layers + 2 (6): 1, 2, 3, 4, 6 (VS and schedules only with a pipeline: 1f1b, or
+  # lockstep in each number of passes), micro-batches over the divisors of the global
+  # batch, every remat; no context parallelism at 128 tokens.
+  pipelined = 4 * 5 * (len(search.PIPELINE_PASSES) + 1)
   assert ranking.candidates == len(space) == 4 * (1 + pipelined) * 5 * len(REMAT_POLICIES)
   survivors = [c for c, _, _ in ranking.survivors]
   assert set(survivors) == {c for c in space if _valid_by_the_rules(small, c)}
@@ -101,6 +104,32 @@ def test_delayed_fp8_scaling_prunes_the_lockstep_schedules(small):
   lockstep = {c for c in before if c.pipeline_parallel > 1 and not c.one_f_one_b}
   assert lockstep and after == before - lockstep
   assert ranking.pruned["model.fp8_amax_history"] >= len(lockstep)
+
+
+def test_long_sequences_search_context_parallelism(toy_experiment):
+  # At 8,192 tokens the space has context 1, 2, 4 and 8 (projection/search.py
+  # CONTEXT_PARALLEL); on one 8-GPU node tensor x context x pipeline must fit in it, and
+  # the toy's 2 heads cap tensor at 2. Unpipelined, a GPU holds one micro-batch's
+  # activations, of which a context rank has half the tokens: the estimate halves.
+  long = toy_experiment("long", seq_len=8192)
+  assert search.context_sizes(long) == [1, 2, 4, 8] and search.context_sizes(
+    toy_experiment("short")
+  ) == [1]
+  ranking = search.rank(long, H100, 8)
+  by_candidate = {c: p for c, p, _ in ranking.survivors}
+  assert {c.context_parallel for c in by_candidate} == {1, 2, 4, 8}
+  assert all(
+    c.tensor_parallel * c.context_parallel * c.pipeline_parallel <= 8 for c in by_candidate
+  )
+  one = next(
+    c
+    for c in by_candidate
+    if (c.context_parallel, c.tensor_parallel, c.pipeline_parallel) == (1, 2, 1)
+  )
+  two = dataclasses.replace(one, context_parallel=2)
+  assert by_candidate[two].activations_gb == pytest.approx(by_candidate[one].activations_gb / 2)
+  assert "context_parallel=2" in two.assignments()
+  assert two.apply(long).mesh.context == 2
 
 
 def test_state_over_hbm_is_pruned(small):
