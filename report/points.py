@@ -79,7 +79,7 @@ def projection_table(records: list[dict]) -> str:
       timing = (
         r["step_time_s"],
         f"{r['tokens_per_s_per_device']:,.0f}",
-        _mfu(r),
+        mfu_text(r),
         memory,
         b["compute_s"],
         b["exposed_comm_s"],
@@ -143,7 +143,7 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
     s = r["search"]
     memory = f"{r['memory_per_gpu_gb']:.1f} / {r['hbm_capacity_gb']:.0f}"
     step = r["step_time_s"] if r["fits"] else f"does not fit: {r['over_capacity_gb']:.1f} GB over"
-    mfu = _mfu(r) if r["fits"] else ""
+    mfu = mfu_text(r) if r["fits"] else ""
     row = [
       s["tensor_parallel"],
       s.get("context_parallel", 1),
@@ -166,8 +166,14 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
   return "\n".join(lines)
 
 
-def _mfu(record: dict) -> str:
-  """MFU against the peak of the precision the matmuls run in: FP8 runs' of the FP8 peak."""
-  if "mfu_fp8" in record:
-    return f"{record['mfu_fp8']:.1%} fp8"
-  return f"{record['mfu']:.1%}"
+def headline_mfu(record: dict) -> tuple[float | None, str]:
+  """(MFU, its label) against the peak of the precision the matmuls run in: a program
+  with FP8 matmuls against the FP8 peak ("fp8"), else the bf16 peak ("")."""
+  if record.get("mfu_fp8") is not None:
+    return record["mfu_fp8"], " fp8"
+  return record.get("mfu"), ""
+
+
+def mfu_text(record: dict) -> str:
+  value, label = headline_mfu(record)
+  return "" if value is None else f"{value:.1%}{label}"

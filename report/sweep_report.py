@@ -4,7 +4,8 @@ and every point's row."""
 import os
 import statistics
 
-from reference import mlperf_gpt3
+from reference import mlperf_gpt3, mlperf_llama31_405b
+from report import points
 
 _PLOT_TITLES = {
   "scaling_efficiency": "Scaling efficiency against device count",
@@ -55,14 +56,14 @@ def _efficiency_sentence(records: list[dict]) -> list[str]:
 
 
 def _mfu_sentence(records: list[dict]) -> list[str]:
-  ok = [r for r in _ok(records) if r.get("mfu") is not None]
+  ok = [r for r in _ok(records) if points.headline_mfu(r)[0] is not None]
   if not ok:
     return []
-  best = max(ok, key=lambda r: r["mfu"])
-  worst = min(ok, key=lambda r: r["mfu"])
+  best = max(ok, key=lambda r: points.headline_mfu(r)[0])
+  worst = min(ok, key=lambda r: points.headline_mfu(r)[0])
   return [
-    f"MFU ranges from {worst['mfu']:.1%} ({worst['hardware'].upper()} x "
-    f"{worst['devices']:,}, {worst['scaling']}) to {best['mfu']:.1%} "
+    f"MFU ranges from {points.mfu_text(worst)} ({worst['hardware'].upper()} x "
+    f"{worst['devices']:,}, {worst['scaling']}) to {points.mfu_text(best)} "
     f"({best['hardware'].upper()} x {best['devices']:,}, {best['scaling']})."
   ]
 
@@ -78,6 +79,18 @@ def _breakdown_sentence(records: list[dict]) -> list[str]:
   ]
 
 
+def _published_results(model: str) -> tuple[tuple[str, str, int, float], ...]:
+  """MLPerf's published (label, hardware, GPUs, minutes) for the model a sweep trains."""
+  if model == "gpt3-175b":
+    return mlperf_gpt3.RESULTS
+  if model == "llama3.1-405b":
+    return tuple(
+      (f"{run.round_name} {run.system}", run.hardware, run.gpus, run.score_min)
+      for run in mlperf_llama31_405b.CALIBRATION
+    )
+  return ()
+
+
 def _time_to_train_sentence(records: list[dict]) -> list[str]:
   ok = [r for r in _ok(records) if r.get("time_to_train_min")]
   if not ok:
@@ -88,7 +101,7 @@ def _time_to_train_sentence(records: list[dict]) -> list[str]:
     f"({best['hardware'].upper()} x {best['devices']:,}, {best['scaling']} scaling)."
   ]
   compared = set()
-  for label, hardware, gpus, minutes in mlperf_gpt3.RESULTS:
+  for label, hardware, gpus, minutes in _published_results(ok[0].get("model", "")):
     same = [r for r in ok if r["hardware"] == hardware and r["devices"] == gpus]
     if same and ok[0]["sweep_mode"] == "project" and (hardware, gpus) not in compared:
       compared.add((hardware, gpus))
@@ -161,7 +174,7 @@ def _table(records: list[dict]) -> list[str]:
     lines.append(
       f"| {r['scaling']} | {r['hardware']} | {r['devices']:,} | {r['status']} | "
       f"{_fmt(r.get('global_batch'), ',')} | {_fmt(r.get('step_time_s'), '.4g')} | "
-      f"{_fmt(r.get('tokens_per_s_per_device'), ',.1f')} | {_fmt(r.get('mfu'), '.1%')} | "
+      f"{_fmt(r.get('tokens_per_s_per_device'), ',.1f')} | {points.mfu_text(r)} | "
       f"{_fmt(r.get('scaling_efficiency'), '.0%')} | {_fmt(r.get('time_to_train_min'), ',.1f')} "
       f"| {_fmt(r.get('memory_per_gpu_gb'), '.1f')} | {r.get('reason', '').replace('|', '/')} |"
     )

@@ -3,7 +3,7 @@
 import os
 import re
 
-from report import export, plots, sweep_report, table
+from report import export, plots, points, sweep_report, table
 
 
 def _row(r: dict) -> tuple:
@@ -19,7 +19,7 @@ def _row(r: dict) -> tuple:
     num("global_batch", ","),
     num("step_time_s", ".4g"),
     num("tokens_per_s_per_device", ",.1f"),
-    num("mfu", ".1%"),
+    points.mfu_text(r),
     num("scaling_efficiency", ".0%"),
     num("time_to_train_min", ",.1f"),
     num("memory_per_gpu_gb", ".1f"),

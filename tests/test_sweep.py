@@ -197,3 +197,30 @@ def test_breakdown_plot_stacks_a_pipeline_bubble(swept, tmp_path):
       }
   piped = plots.step_breakdown(records, str(tmp_path / "bubble.png"))
   assert _purple_pixels(plain) == 0 and _purple_pixels(piped) > 1000
+
+
+@pytest.mark.parametrize(
+  "model, hardware, gpus, published",
+  [("gpt3-175b", "h100", 512, "49.8 min"), ("llama3.1-405b", "h100", 8192, "20.81 min")],
+)
+def test_findings_compare_with_the_published_score_of_the_model_swept(
+  model, hardware, gpus, published
+):
+  # A projected point at a published (hardware, GPUs) is compared with that benchmark's
+  # score, and only that benchmark's: a Llama sweep was once compared with GPT-3's.
+  record = dict(
+    status="ok",
+    sweep_mode="project",
+    scaling="configured",
+    model=model,
+    hardware=hardware,
+    devices=gpus,
+    time_to_train_min=30.0,
+    mfu=0.5,
+    mfu_fp8=0.25,
+    scaling_efficiency=1.0,
+    scaling_baseline_devices=gpus,
+  )
+  text = sweep_report.findings([record])
+  assert f"against MLPerf's {published}" in text and text.count("against MLPerf's") == 1
+  assert "from 25.0% fp8" in text  # an FP8 program's MFU against the FP8 peak
