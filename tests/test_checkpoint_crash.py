@@ -23,13 +23,12 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import small_models
 
 import experiments
 from errors import RunStopped
 from experiments import overrides
-from parallelism import mesh as mesh_lib
 from train import checkpoint, loop
-from train import step as train_step
 from train.checkpoint import MANIFEST, PARTIAL_MANIFEST, TMP_SUFFIX, Checkpoints
 
 TOTAL = 6  # steps, no warm-up: checkpoints 1 .. 6 with a save every step
@@ -52,8 +51,7 @@ def exp():
 
 @pytest.fixture(scope="module")
 def program(exp):
-  layout = mesh_lib.plan(exp.mesh, 1)
-  return train_step.build(exp.model, exp.train, mesh_lib.build_mesh(layout, jax.devices()[:1]))
+  return small_models.train_program(exp, 1)
 
 
 @pytest.fixture(scope="module")

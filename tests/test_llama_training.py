@@ -14,13 +14,12 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import small_models
 
 import experiments
 from experiments import overrides
-from parallelism import mesh as mesh_lib
 from tools import make_tokens
 from train import loop
-from train import step as train_step
 from train.checkpoint import Checkpoints
 
 STEPS, EVERY = 10, 5
@@ -48,8 +47,7 @@ def exp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def program(exp):
-  layout = mesh_lib.plan(exp.mesh, 4)
-  return train_step.build(exp.model, exp.train, mesh_lib.build_mesh(layout, jax.devices()[:4]))
+  return small_models.train_program(exp, 4)
 
 
 @pytest.fixture(scope="module")

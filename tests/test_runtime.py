@@ -20,15 +20,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import small_models
 
 import experiments
 import platform_env
 from errors import RunStopped, UserInputError
 from experiments import overrides
-from parallelism import mesh as mesh_lib
 from tools import make_tokens
 from train import checkpoint, loop, token_data
-from train import step as train_step
 from train.input_pipeline import BatchSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,11 +116,7 @@ def _exp(corpus: str) -> experiments.ExperimentConfig:
   return overrides.apply(experiments.load("tiny"), SETS + [f"train.data_path={corpus}"])
 
 
-def _program(exp: experiments.ExperimentConfig, devices: int) -> train_step.TrainProgram:
-  layout = mesh_lib.plan(exp.mesh, devices)
-  return train_step.build(
-    exp.model, exp.train, mesh_lib.build_mesh(layout, jax.devices()[:devices])
-  )
+_program = small_models.train_program
 
 
 def _state(experiment, ckpt: str, step: int):
