@@ -139,9 +139,9 @@ def matmul_flops_per_step(
   )
   A = attended_keys(cfg, context_ranks)
   scores = 4 * A * H * K  # one layer's attention matmuls, forward, a token
-  backward_scores = scores * (5 / 2 if cfg.attention == "cudnn" else 2)
-  layer_forward = 2 * layer_matmul_param_count(cfg) + scores
   cudnn = cfg.attention == "cudnn"
+  backward_scores = scores * (5 / 2 if cudnn else 2)
+  layer_forward = 2 * layer_matmul_param_count(cfg) + scores
   recompute = {
     "none": scores if cudnn else 0,
     "save_dots": scores,

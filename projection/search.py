@@ -173,18 +173,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def context_sizes(exp) -> list[int]:
-  """The context-parallel sizes searched: CONTEXT_PARALLEL where the sequence splits into
-  2 x CP chunks and the model's attention can use the axis; 1 alone where the experiment
-  is not `context_searched`."""
-  if not context_searched(exp):
+  """The context-parallel sizes searched: for sequences of CONTEXT_MIN_SEQ_LEN tokens and
+  more (where activations rather than weights fill memory), those of CONTEXT_PARALLEL
+  that split the sequence into 2 x CP chunks; 1 alone otherwise. What else refuses a
+  size (train_step.build's context checks) prunes it like any other candidate."""
+  if exp.model.seq_len < CONTEXT_MIN_SEQ_LEN:
     return [1]
   return [cp for cp in CONTEXT_PARALLEL if exp.model.seq_len % (2 * cp) == 0]
-
-
-def context_searched(exp) -> bool:
-  """Whether the search tries context parallelism: for sequences of CONTEXT_MIN_SEQ_LEN
-  tokens and more, where activations rather than weights fill memory."""
-  return exp.model.seq_len >= CONTEXT_MIN_SEQ_LEN
 
 
 def _stage_counts(layers: int) -> list[int]:
