@@ -9,7 +9,8 @@ Shortcuts for the parallelism of a projection, each setting the real field(s):
 
   tensor_parallel=N    mesh.tensor          pipeline_parallel=N  mesh.pipeline
   virtual_stages=N     train.virtual_stages micro_batch=N        train.micro_batch
-  global_batch=N       train.global_batch   precision=bf16|fp8   model.fp8
+  global_batch=N       train.global_batch
+  precision=bf16|fp8|mxfp8|nvfp4             model.fp8 and model.block_scaling
   remat=POLICY         model.remat (none, full, save_dots)
   context_parallel=N   mesh.context
 """
@@ -66,9 +67,15 @@ _POSITIVE = {
   "micro_batch": "train.micro_batch",
   "global_batch": "train.global_batch",
 }
+# Each choice's value: the (field, value) assignments it stands for.
 _CHOICES = {
-  "precision": ("model.fp8", {"bf16": "false", "fp8": "true"}),
-  "remat": ("model.remat", {p: p for p in REMAT_POLICIES}),
+  "precision": {
+    "bf16": (("model.fp8", "false"), ("model.block_scaling", "none")),
+    "fp8": (("model.fp8", "true"), ("model.block_scaling", "none")),
+    "mxfp8": (("model.fp8", "false"), ("model.block_scaling", "mxfp8")),
+    "nvfp4": (("model.fp8", "false"), ("model.block_scaling", "nvfp4")),
+  },
+  "remat": {p: (("model.remat", p),) for p in REMAT_POLICIES},
 }
 SHORTCUTS = (*_POSITIVE, *_CHOICES, "variant")
 
@@ -84,10 +91,12 @@ def _shortcut(cfg: Any, key: str, text: str) -> Any:
       shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
       raise UserInputError(f"--set {key}: expected a positive whole number, got {shown!r}")
     return _replace(cfg, _POSITIVE[key].split("."), text, key)
-  path, values = _CHOICES[key]
+  values = _CHOICES[key]
   if text not in values:
     raise UserInputError(f"--set {key}: expected one of {', '.join(values)}, got {text!r}")
-  return _replace(cfg, path.split("."), values[text], key)
+  for path, value in values[text]:
+    cfg = _replace(cfg, path.split("."), value, key)
+  return cfg
 
 
 def apply(cfg: Any, assignments: Sequence[str]) -> Any:

@@ -89,6 +89,11 @@ class Hardware:
   # of the collective's latency: 0 where the library runs them as one call (NCCL groups
   # them); XLA:CPU's in-process collectives run a rendezvous per operand (host.py).
   operand_latency_fraction: float = 0.0
+  # Blackwell's block-scaled tensor-core formats (model/block_scaled.py): MXFP8 runs at
+  # the FP8 rate, NVFP4 at the FP4 rate; none on Hopper and older.
+  block_scaled_formats: tuple[str, ...] = ()
+  peak_fp4_tflops: float | None = None
+  achievable_fp4_tflops: float | None = None
   sources: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
   # -- derived figures ----------------------------------------------------
@@ -110,11 +115,11 @@ class Hardware:
     return self.allgather_busbw_gb_s or self.allreduce_ring_busbw_gb_s
 
   def peak_tflops(self, dtype: str) -> float | None:
-    """Peak dense TFLOP/s for 'bf16', 'fp8' or 'f32' (None if not supported/known)."""
+    """Peak dense TFLOP/s for 'bf16', 'fp8', 'fp4' or 'f32' (None if not supported/known)."""
     return getattr(self, f"peak_{_dtype_key(dtype)}_tflops")
 
   def achievable_tflops(self, dtype: str) -> float | None:
-    """Measured large-GEMM TFLOP/s for 'bf16', 'fp8' or 'f32'."""
+    """Large-GEMM TFLOP/s for 'bf16', 'fp8', 'fp4' or 'f32' (measured; fp4 estimated)."""
     return getattr(self, f"achievable_{_dtype_key(dtype)}_tflops")
 
 
@@ -126,6 +131,9 @@ def _dtype_key(dtype: str) -> str:
     "f8": "fp8",
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
+    "fp4": "fp4",
+    "f4": "fp4",
+    "float4_e2m1fn": "fp4",
     "f32": "f32",
     "float32": "f32",
   }
@@ -214,6 +222,12 @@ _S_LAT = "NCCL tuning model (NVIDIA/nccl src/graph/tuning.cc), cited in hardware
 _S_NVLS_LAT = "fit to stas00's 8xH200 all-reduce curve in hardware.md (NCCL table: 23 us)"
 _S_HBMF = "estimate: STREAM-like copies reach ~85-90% of HBM peak"
 _S_LAUNCH = "estimate: CUDA kernel launch is a few microseconds"
+_S_FP4_GEMM = (
+  "estimate: no measured FP4 GEMM rate in hardware.md; the peak x the FP8 GEMM's "
+  "measured share of its peak ({share})"
+)
+# Blackwell's block-scaled formats (NVIDIA Blackwell architecture; the OCP MX spec).
+BLOCK_SCALED = ("mxfp8", "nvfp4")
 
 
 def _common_sources(**extra: str) -> dict[str, str]:
@@ -221,6 +235,9 @@ def _common_sources(**extra: str) -> dict[str, str]:
   base = {
     "peak_bf16_tflops": _S_PEAK,
     "peak_fp8_tflops": _S_PEAK,
+    "peak_fp4_tflops": _S_PEAK,
+    "block_scaled_formats": "Blackwell (sm_100, sm_103) tensor cores run MXFP8 and NVFP4 "
+    "(hardware.md FP4 column); Hopper has neither",
     "achievable_bf16_tflops": _S_GEMM,
     "achievable_fp8_tflops": _S_GEMM,
     "hbm_peak_tb_s": _S_PEAK,
@@ -358,9 +375,13 @@ _CATALOG: tuple[Hardware, ...] = (
     nic_achievable_gb_s=47.0,
     protocols=NCCL_PROTOCOLS,
     kernel_launch_us=KERNEL_LAUNCH_US,
+    block_scaled_formats=BLOCK_SCALED,
+    peak_fp4_tflops=9000.0,
+    achievable_fp4_tflops=6866.0,
     tdp_w=1000.0,
     **_WITH_NVLS,
     sources=_common_sources(
+      achievable_fp4_tflops=_S_FP4_GEMM.format(share="3433 / 4500"),
       hbm_gib="estimate: 180 GB marketed (~GiB) x H100's usable share (0.989)",
       allreduce_ring_busbw_gb_s="derived: 900 GB/s x H100's ring efficiency (370/450)",
       allreduce_nvls_busbw_gb_s="hardware.md: ~839 GB/s, 8xB200 (best measured; "
@@ -387,9 +408,13 @@ _CATALOG: tuple[Hardware, ...] = (
     nic_achievable_gb_s=47.0,
     protocols=NCCL_PROTOCOLS,
     kernel_launch_us=KERNEL_LAUNCH_US,
+    block_scaled_formats=BLOCK_SCALED,
+    peak_fp4_tflops=10000.0,
+    achievable_fp4_tflops=7232.0,
     tdp_w=1200.0,
     **_WITH_NVLS,
     sources=_common_sources(
+      achievable_fp4_tflops=_S_FP4_GEMM.format(share="3616 / 5000"),
       gpus_per_node="compute tray: 4 GPUs (MLPerf GB200 system descriptions; NVL72 = 18 trays)",
       hbm_gib="MLPerf Training system description: 189,471 MiB usable",
       allreduce_ring_busbw_gb_s="derived: 900 GB/s x H100's ring efficiency (370/450)",
@@ -416,9 +441,13 @@ _CATALOG: tuple[Hardware, ...] = (
     nic_achievable_gb_s=800.0 / 8 * NIC_EFFICIENCY,
     protocols=NCCL_PROTOCOLS,
     kernel_launch_us=KERNEL_LAUNCH_US,
+    block_scaled_formats=BLOCK_SCALED,
+    peak_fp4_tflops=15000.0,
+    achievable_fp4_tflops=10059.0,
     tdp_w=1400.0,
     **_WITH_NVLS,
     sources=_common_sources(
+      achievable_fp4_tflops=_S_FP4_GEMM.format(share="3353 / 5000"),
       gpus_per_node="compute tray: 4 GPUs (as GB200 NVL72)",
       achievable_bf16_tflops="hardware.md: stas00's B300 measurement (same GPU die)",
       achievable_fp8_tflops="hardware.md: stas00's B300 measurement (same GPU die)",
@@ -449,10 +478,11 @@ def get(name: str) -> Hardware:
 
 
 def missing_sources(hw: Hardware) -> list[str]:
-  """Figures of `hw` that are set but have no source text (should be empty)."""
+  """Figures of `hw` that are set (not None, not empty) but have no source text (should be
+  empty)."""
   skip = {"name", "description", "sources"}
   return [
     f.name
     for f in fields(hw)
-    if f.name not in skip and getattr(hw, f.name) is not None and not hw.sources.get(f.name)
+    if f.name not in skip and getattr(hw, f.name) not in (None, ()) and not hw.sources.get(f.name)
   ]

@@ -31,6 +31,8 @@ POSITIONS = ("learned", "rope")
 # gelu: fc1 [D, F], GELU, fc2 [F, D] (GPT); swiglu: gate and up [D, 2, F], silu(gate) x up,
 # down [F, D] (Shazeer 2020, arXiv:2002.05202; Llama).
 MLPS = ("gelu", "swiglu")
+# Block-scaled weight-matmul formats (model/block_scaled.py), or none.
+BLOCK_SCALING = ("none", "mxfp8", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,10 @@ class ModelConfig:
   # With fp8: 0 scales activations and gradients by their own amax (current scaling);
   # N > 0 by the largest amax of the last N steps (delayed scaling, model/fp8.py).
   fp8_amax_history: int = 0
+  # Blackwell's block-scaled weight matmuls instead: "mxfp8" (E4M3, a power-of-two scale
+  # per 32 values) or "nvfp4" (E2M1, an E4M3 scale per 16 and one per tensor), forward
+  # and backward (model/block_scaled.py); "none": the compute dtype (or fp8).
+  block_scaling: str = "none"  # one of BLOCK_SCALING
   norm: str = "layernorm"  # one of NORMS
   norm_eps: float = 1e-5
   positions: str = "learned"  # one of POSITIONS
@@ -164,6 +170,15 @@ class ModelConfig:
       raise UserInputError(
         "model.fp8_amax_history must be 0 (current scaling) or a positive "
         f"number of steps, got {self.fp8_amax_history}"
+      )
+    if self.block_scaling not in BLOCK_SCALING:
+      raise UserInputError(
+        f"model.block_scaling must be one of {', '.join(BLOCK_SCALING)}, got {self.block_scaling!r}"
+      )
+    if self.block_scaling != "none" and self.fp8:
+      raise UserInputError(
+        f"model.block_scaling = {self.block_scaling} replaces per-tensor FP8: set "
+        "model.fp8=false (or --set precision=...)"
       )
     if self.remat not in REMAT_POLICIES:
       raise UserInputError(

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import UserInputError
-from model import fp8, rope
+from model import block_scaled, fp8, rope
 from model import matmul as dense
 from model.config import ModelConfig
 from parallelism import context, rules, sequence
@@ -35,10 +35,17 @@ _REMAT = {
   # would otherwise be stacked over layers by the scan, written in the forward pass
   # and read back in the backward. On CPU those memory passes cost more than the
   # recomputation, and the step's temporary memory roughly halves.
-  "none": jax.checkpoint_policies.dots_saveable,
+  # Block-scaled matmuls are custom calls, not dots: their outputs are saved by name.
+  "none": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(block_scaled.OUTPUT_NAME),
+  ),
   "full": jax.checkpoint_policies.nothing_saveable,
   # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
-  "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "save_dots": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(block_scaled.OUTPUT_NAME),
+  ),
   # Saves what Megatron keeps with sequence parallelism (Korthikanti et al. 2022): the
   # layer input, the QKV, attention and fc1 outputs and the mid-block residual;
   # LayerNorms, GELU, FP8 casts and the sequence-parallel all-gathers of the LayerNorm
@@ -179,6 +186,16 @@ def residual_axes(cfg: ModelConfig) -> tuple[str, str, str]:
   return ("batch", "act_seq" if cfg.sequence_parallel else "length", "act_embed")
 
 
+def weight_matmul(cfg: ModelConfig):
+  """The einsum the block's weight matmuls run: FP8 (model/fp8.py), block-scaled
+  (model/block_scaled.py) or in the compute dtype (model/matmul.py)."""
+  if cfg.fp8:
+    return fp8.einsum
+  if cfg.block_scaling != "none":
+    return functools.partial(block_scaled.einsum, fmt=cfg.block_scaling)
+  return dense.einsum
+
+
 def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   """One pre-norm transformer block. x: [B, T, D]; p: one layer's parameters.
 
@@ -189,11 +206,21 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   tensor ranks are replicated (rules.py SPLIT_WHERE_ENOUGH).
   """
   residual = residual_axes(cfg)
-  matmul = fp8.einsum if cfg.fp8 else dense.einsum
+  matmul = weight_matmul(cfg)
 
   def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
     if cfg.sequence_parallel:
-      return sequence.matmul(matmul, spec, h, w, h_axes, w_axes, out_axes, tensor_in_fn=cfg.fp8)
+      return sequence.matmul(
+        matmul,
+        spec,
+        h,
+        w,
+        h_axes,
+        w_axes,
+        out_axes,
+        tensor_in_fn=cfg.fp8,
+        whole_mesh=cfg.block_scaling != "none",
+      )
     return constrain(matmul(spec, h, w), out_axes)
 
   def biased(y, name):
@@ -277,7 +304,7 @@ def _grouped_qkv(cfg: ModelConfig, h: jax.Array, p: dict, tensor_parallel, biase
     # Every rank needs every K/V head: each computes them for its own sequence shard and
     # all-gathers the result, 2GK values a token against the D of the normed input that
     # gathering first would move, and no rank computes another's tokens.
-    matmul = fp8.einsum if cfg.fp8 else dense.einsum
+    matmul = weight_matmul(cfg)
     kv = matmul("btd,dchk->btchk", h, p["kv_kernel"])
     kv = constrain(biased(kv, "kv_bias"), ("batch", "act_seq", "qkv", None, None))
     kv = _gathered(kv, kv_axes)

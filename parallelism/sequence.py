@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from errors import UserInputError
 from parallelism import rules
 
 TENSOR = "tensor"
@@ -83,6 +84,7 @@ def matmul(
   w_axes: Sequence[str | None],
   out_axes: Sequence[str | None],
   tensor_in_fn: bool = False,
+  whole_mesh: bool = False,
 ) -> jax.Array:
   """fn(spec, x, w) at a tensor-parallel region's boundary, the sequence on axis 1.
 
@@ -90,6 +92,10 @@ def matmul(
   tensor_in_fn by fn itself, given the group as `tensor=Tensor(...)` (model/fp8.py
   gathers its FP8 cast and reduces its amaxes over the group). Exit (out_axes[1] is
   `act_seq`): the partial sums are reduce-scattered along it. Outside a mesh: the plain fn.
+
+  whole_mesh: fn runs with every mesh axis manual (model/block_scaled.py: jax 0.10.2's
+  partitioner of cuDNN's block-scaled matmul fails on partly manual shardings); the axes
+  that are neither this region's nor vmapped must then be of size 1.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -146,11 +152,21 @@ def matmul(
   # check_vma=False: FP8's per-tensor scales mix values that vary over different manual
   # axes (the pipeline's vmap adds one), which the varying-axes check rejects; every
   # collective here is explicit, so the check has nothing else to catch.
+  axis_names = manual | rules.vmapped_axes()
+  if whole_mesh:
+    rest = [a for a in mesh.axis_names if a not in axis_names and mesh.shape[a] > 1]
+    if rest:
+      raise UserInputError(
+        f"model.block_scaling with model.sequence_parallel needs mesh axes "
+        f"{', '.join(rest)} of size 1 here (this JAX cannot partition cuDNN's "
+        "block-scaled matmul over axes left automatic); set model.sequence_parallel=false"
+      )
+    axis_names = frozenset(mesh.axis_names)
   return jax.shard_map(
     local,
     mesh=mesh,
     in_specs=(x_spec, w_specs),
     out_specs=out_spec,
-    axis_names=manual | rules.vmapped_axes(),
+    axis_names=axis_names,
     check_vma=False,
   )(x, w)

@@ -51,6 +51,9 @@ ZERO = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 def matmul_tflops(hw: Hardware, dtype: str) -> float:
   """Achievable matmul rate for an op's element type."""
+  if dtype.startswith("f4"):
+    # NVFP4 (a block-scaled GEMM, model/block_scaled.py); only Blackwell compiles one.
+    return hw.achievable_tflops("fp4") or hw.achievable_tflops("bf16")
   if dtype.startswith("f8"):
     return hw.achievable_tflops("fp8") or hw.achievable_tflops("bf16")
   if dtype == "f32":

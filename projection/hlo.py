@@ -75,6 +75,9 @@ _FREE = {
   "async-done",
   "copy-done",
 }
+# cuDNN's block-scaled (MXFP8 / NVFP4) matmul, as XLA's BlockScalingRewriter emits it for
+# Blackwell (docs/blackwell_formats.md).
+_BLOCK_SCALED = ("__cudnn$blockScaledDot",)
 # Ops that compute nothing (0 FLOPs) but may move data.
 _NO_FLOPS = _FREE | {
   "copy",
@@ -221,6 +224,12 @@ class _Analyzer:
       out = arrays(ins.shape)[0][1]  # cublasLt returns (result, workspace)
       contracting = [int(d) for d in dnums["lhs_contracting_dimensions"]]
       f = 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+      return f, f
+    if op == "custom-call" and ins.attrs.get("custom_call_target", "").strip('"') in _BLOCK_SCALED:
+      # cuDNN's block-scaled GEMM: operands [B, M, K] and [B, N, K], result (out [B, M, N],
+      # workspace); the scales (operands 2 and 3) add no FLOPs.
+      lhs = arrays(comp.by_name[ins.operands[0]].shape)[0][1]
+      f = 2.0 * math.prod(arrays(ins.shape)[0][1]) * lhs[-1]
       return f, f
     if op == "custom-call" and "cudnn_fmha_backend_config" in ins.attrs.get("backend_config", ""):
       return self._fused_attention_flops(ins, comp)
@@ -498,5 +507,5 @@ def collectives(program: Program | Iterable[Node]) -> Iterator[tuple[Collective,
 
 
 def uses_fp8(program: Program | Iterable[Node]) -> bool:
-  """Whether any matmul takes FP8 (f8e4m3fn, f8e5m2, ...) operands."""
+  """Whether any matmul takes FP8 (f8e4m3fn, f8e5m2, ...) operands (MXFP8's included)."""
   return any(n.dot_dtype.startswith("f8") for n, _ in walk(program) if isinstance(n, Compute))

@@ -16,6 +16,7 @@ import numpy as np
 
 _DTYPE_BITS = {
   "pred": 8,
+  "f4e2m1fn": 4,
   "s2": 2,
   "u2": 2,
   "s4": 4,

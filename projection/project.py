@@ -50,6 +50,13 @@ def hardware(name: str, gpus: int = 1) -> Hardware:
 
 def plan(exp, hw: Hardware, gpus: int) -> layout.ReducedMesh:
   """The target layout and its reduced mesh; bad input raises before anything compiles."""
+  formats = exp.model.block_scaling
+  if formats != "none" and hw.name in catalog.names() and formats not in hw.block_scaled_formats:
+    blackwell = [h for h in catalog.names() if formats in catalog.get(h).block_scaled_formats]
+    raise UserInputError(
+      f"model.block_scaling = {formats}: {hw.name} has no block-scaled tensor cores "
+      f"(GPUs that do: {', '.join(blackwell)}); use precision=fp8 or bf16"
+    )
   try:
     domain = layout.rack_aligned_domain(exp.mesh, gpus, hw.gpus_per_node, hw.nvlink_domain_size)
     target = layout.target_layout(exp.mesh, gpus, hw.gpus_per_node, domain)

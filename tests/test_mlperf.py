@@ -111,7 +111,7 @@ def test_parallelism_shortcuts_set_the_real_fields():
   [
     ("tensor_parallel=0", "--set tensor_parallel: expected a positive whole number, got '0'"),
     ("micro_batch=two", "--set micro_batch: expected a positive whole number, got 'two'"),
-    ("precision=fp16", "--set precision: expected one of bf16, fp8, got 'fp16'"),
+    ("precision=fp16", "--set precision: expected one of bf16, fp8, mxfp8, nvfp4, got 'fp16'"),
     ("remat=some", "--set remat: expected one of none, full, save_dots, elementwise, got 'some'"),
     ("variant=eos_1", "--set variant: mlperf_gpt3_175b has variants eos_10752, eos_512"),
   ],

@@ -1,0 +1,207 @@
+"""Block-scaled weight matmuls: Blackwell's MXFP8 and NVFP4, forward and backward.
+
+`einsum(spec, x, w, fmt)` stands in for `jnp.einsum` on the block's weight matmuls (QKV,
+attention output, MLP), as model/fp8.py's does for per-tensor FP8. All three GEMMs of
+each (the forward, and the input and weight gradients) take block-scaled operands, each
+quantized along that GEMM's contraction axis, with a float32 accumulator; outputs are in
+the compute dtype. The rest of the model (embedding, output head, norms, attention's
+softmax and its two batched matmuls) stays in the compute dtype, as in the published
+recipes.
+
+Formats (`FORMATS`; the OCP Microscaling spec for MXFP8, NVIDIA's for NVFP4):
+- mxfp8: E4M3 values, one power-of-two E8M0 scale per 32 values along the contraction
+  axis. Transformer Engine's MXFP8BlockScaling uses E4M3 for gradients too, and so does
+  this (and jax.nn.scaled_dot_general's "mxfp8" config).
+- nvfp4: E2M1 values (one mantissa bit, magnitudes 0-6), one E4M3 scale per 16 values,
+  and a float32 scale per tensor, amax / (448 x 6), so that the block scales use E4M3's
+  range (Transformer Engine's NVFP4BlockScaling; "Pretraining Large Language Models with
+  NVFP4", arXiv:2509.25149, section 4). Weights are scaled in 16 x 16 tiles (2D), so the
+  forward and the input-gradient GEMMs see the same quantized weight; activations and
+  gradients in 1 x 16 blocks.
+  Not followed from that recipe: stochastic rounding of gradients (round-to-nearest-even
+  here), the random Hadamard transform of the weight-gradient GEMM's inputs, and keeping
+  the first and last few layers in BF16 (the layer stack is one scanned program here, so
+  every layer runs one format). Weights are quantized in every matmul call; Transformer
+  Engine caches a step's weight quantization across micro-batches.
+
+On a CUDA target the GEMM is `jax.nn.scaled_matmul`, which XLA compiles to cuDNN's
+block-scaled matmul (`__cudnn$blockScaledDot`) for Blackwell when the target's cuDNN is
+9.10 or newer (docs/blackwell_formats.md). Elsewhere (CPU) it is emulated: the quantized
+operands are dequantized and multiplied in float32, which gives the same numbers up to
+the accumulation order.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+FORMAT_NAMES = ("mxfp8", "nvfp4")
+# The name each matmul's output carries, so that remat policies which keep matmul outputs
+# (model/gpt.py `none`, `save_dots`) keep these too: they are custom calls, not dots.
+OUTPUT_NAME = "block_scaled_matmul"
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  name: str
+  values: type  # element type of the quantized values
+  scales: type  # element type of the block scales
+  block: int  # values per scale, along the contraction axis
+  value_max: float  # largest finite value of `values`
+  weight_tile: int  # rows of a weight's scale tile: `block` for 2D scaling, else 1
+
+
+FORMATS = {
+  "mxfp8": Format("mxfp8", jnp.float8_e4m3fn, jnp.float8_e8m0fnu, 32, 448.0, 1),
+  "nvfp4": Format("nvfp4", jnp.float4_e2m1fn, jnp.float8_e4m3fn, 16, 6.0, 16),
+}
+_E4M3_MAX = 448.0
+
+
+class Quantized(NamedTuple):
+  """a [R, K] ~= values * repeat(scales, block, axis=1) * global_scale."""
+
+  values: jax.Array  # [R, K] in fmt.values
+  scales: jax.Array  # [R, K / block] in fmt.scales
+  global_scale: jax.Array  # float32 scalar (1 for MXFP8)
+
+
+def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
+  """a [R, K] in blocks of fmt.block along K, each block's scale shared by `tile_rows` rows
+  (16 x 16 tiles for NVFP4 weights)."""
+  R, K = a.shape
+  if K % fmt.block or R % tile_rows:
+    raise ValueError(
+      f"{fmt.name}: a [{R}, {K}] operand does not split into {tile_rows} x {fmt.block} blocks"
+    )
+  a = a.astype(jnp.float32)
+  tiles = a.reshape(R // tile_rows, tile_rows, K // fmt.block, fmt.block)
+  block_amax = jnp.max(jnp.abs(tiles), axis=(1, 3))  # [R / tile_rows, K / block]
+  if fmt.name == "nvfp4":
+    amax = jnp.max(block_amax)
+    global_scale = jnp.where(amax > 0, amax / (_E4M3_MAX * fmt.value_max), 1.0)
+    scales = (block_amax / fmt.value_max / global_scale).astype(fmt.scales)
+  else:
+    global_scale = jnp.ones((), jnp.float32)
+    exponent = jnp.ceil(jnp.log2(jnp.maximum(block_amax, 1e-30) / fmt.value_max))
+    scales = jnp.where(block_amax > 0, jnp.exp2(exponent), 1.0).astype(fmt.scales)
+  divisor = scales.astype(jnp.float32) * global_scale
+  divisor = jnp.where(divisor > 0, divisor, 1.0)[:, None, :, None]
+  values = jnp.clip(tiles / divisor, -fmt.value_max, fmt.value_max).astype(fmt.values)
+  return Quantized(
+    values.reshape(R, K), jnp.repeat(scales, tile_rows, axis=0), global_scale.astype(jnp.float32)
+  )
+
+
+def transposed(q: Quantized, fmt: Format) -> Quantized:
+  """A 2D-scaled (tile_rows == block) quantization of a [R, K] as one of a.T [K, R]."""
+  R, K = q.values.shape
+  tiles = q.scales[:: fmt.block]  # [R / block, K / block]
+  return Quantized(q.values.T, jnp.repeat(tiles.T, fmt.block, axis=0), q.global_scale)
+
+
+def dequantize(q: Quantized, fmt: Format) -> jax.Array:
+  scales = jnp.repeat(q.scales.astype(jnp.float32), fmt.block, axis=1)
+  return q.values.astype(jnp.float32) * scales * q.global_scale
+
+
+def _dot(a: Quantized, b: Quantized, fmt: Format, dtype) -> jax.Array:
+  """a [M, K] . b [N, K]^T -> [M, N] in dtype: cuDNN's block-scaled GEMM on a CUDA target,
+  emulated (dequantize, float32 matmul) elsewhere."""
+
+  def cuda(av, bv, a_scales, b_scales):
+    return _cudnn(av[None], bv[None], a_scales[None], b_scales[None])[0]
+
+  def emulated(av, bv, a_scales, b_scales):
+    a_full = dequantize(Quantized(av, a_scales, jnp.ones((), jnp.float32)), fmt)
+    b_full = dequantize(Quantized(bv, b_scales, jnp.ones((), jnp.float32)), fmt)
+    return jnp.einsum("mk,nk->mn", a_full, b_full, preferred_element_type=jnp.float32)
+
+  out = jax.lax.platform_dependent(
+    a.values, b.values, a.scales, b.scales, cuda=cuda, default=emulated
+  )
+  return (out * (a.global_scale * b.global_scale)).astype(dtype)
+
+
+@jax.custom_batching.custom_vmap
+def _cudnn(av: jax.Array, bv: jax.Array, a_scales: jax.Array, b_scales: jax.Array) -> jax.Array:
+  """jax.nn.scaled_matmul on operands [..., M, K] and [..., N, K] whose leading axes are
+  batch axes, flattened into its one batch axis."""
+  lead = av.shape[:-2]
+  flat = [x.reshape(-1, *x.shape[-2:]) for x in (av, bv, a_scales, b_scales)]
+  return jax.nn.scaled_matmul(*flat).reshape(*lead, av.shape[-2], bv.shape[-2])
+
+
+@_cudnn.def_vmap
+def _cudnn_vmap(axis_size, in_batched, av, bv, a_scales, b_scales):
+  # scaled_matmul's own batching rule, and its SPMD partitioner, need every operand
+  # batched alike. Inside the model's vmaps (data replicas, context ranks, pipeline
+  # stages) a weight often is not: the mapped axis then joins the other operand's rows,
+  # as a shared weight's matmul batches.
+  a_batched, b_batched = in_batched[0], in_batched[1]
+  if a_batched and b_batched:
+    return _cudnn(av, bv, a_scales, b_scales), True
+  if a_batched:  # [V, ..., M, K] x [..., N, K]: V M rows
+    rows = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
+    out = _cudnn(rows(av), bv, rows(a_scales), b_scales)  # [..., V M, N]
+    out = out.reshape(*out.shape[:-2], axis_size, -1, out.shape[-1])
+    return jnp.moveaxis(out, -3, 0), True
+  # [..., M, K] x [V, ..., N, K]: V N columns
+  cols = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
+  out = _cudnn(av, cols(bv), a_scales, cols(b_scales))  # [..., M, V N]
+  out = out.reshape(*out.shape[:-1], axis_size, -1)
+  return jnp.moveaxis(out, -2, 0), True
+
+
+def _weight(w: jax.Array, fmt: Format) -> Quantized:
+  """w [K, N] quantized for the forward GEMM, as w.T [N, K] along K."""
+  return quantize(w.T, fmt, tile_rows=fmt.weight_tile)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul(fmt: Format, x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [M, K] @ w [K, N] -> [M, N] in x.dtype, every GEMM block-scaled."""
+  return _dot(quantize(x, fmt), _weight(w, fmt), fmt, x.dtype)
+
+
+def _forward(fmt, x, w):
+  # The weight-gradient GEMM's quantized x^T is kept for the backward pass rather than x
+  # (Transformer Engine keeps its "columnwise" copy the same way): 4 or 8 bits a value
+  # and a scale a block, against the compute dtype's 16.
+  return _matmul(fmt, x, w), (quantize(x.T, fmt), w)
+
+
+def _backward(fmt, residuals, g):
+  x_by_m, w = residuals
+  # Input gradient: g [M, N] . w [K, N]^T, contracting N.
+  if fmt.weight_tile > 1:
+    w_by_n = transposed(_weight(w, fmt), fmt)  # the forward's tiles, read along N
+  else:
+    w_by_n = quantize(w, fmt)
+  dx = _dot(quantize(g, fmt), w_by_n, fmt, g.dtype)  # g: the output's dtype, x's
+  # Weight gradient: x^T [K, M] . g^T [N, M]^T, contracting the tokens M.
+  dw = _dot(x_by_m, quantize(g.T, fmt), fmt, w.dtype)
+  return dx, dw
+
+
+_matmul.defvjp(_forward, _backward)
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
+  """jnp.einsum(spec, x, w) with block-scaled GEMMs, for x [tokens..., in...] and
+  w [in..., out...] (every weight matmul of the block)."""
+  inputs, out = spec.split("->")
+  xs, ws = inputs.split(",")
+  tokens = "".join(a for a in xs if a not in ws)
+  contracted, features = xs[len(tokens) :], out[len(tokens) :]
+  if xs != tokens + contracted or ws != contracted + features or out != tokens + features:
+    raise ValueError(f"block-scaled einsum: {spec!r} is not [tokens, in] x [in, out]")
+  lead = x.shape[: len(tokens)]
+  rows, inner = math.prod(lead), math.prod(x.shape[len(tokens) :])
+  y = _matmul(FORMATS[fmt], x.reshape(rows, inner), w.reshape(inner, -1))  # [M, N]
+  return checkpoint_name(y.reshape(*lead, *w.shape[len(contracted) :]), OUTPUT_NAME)

@@ -1,0 +1,184 @@
+"""Block-scaled weight matmuls (model/block_scaled.py): the formats' numerics on CPU (the
+emulated GEMM), a tiny model training with them, Hopper refusing them, and a deviceless
+Blackwell compile carrying cuDNN's block-scaled GEMMs that the HLO reader counts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from small_models import SMALL_LLAMA, train_program
+from test_launch import launch
+
+from experiments import ExperimentConfig
+from model import block_scaled
+from parallelism.mesh import MeshConfig
+from projection import aot_compile, hlo, targets
+from train import data
+from train.config import TrainConfig
+
+# Relative (Frobenius) error of a block-scaled matmul of Gaussian operands against float32,
+# and of its two gradients. Round-to-nearest leaves each element within half a step of
+# the format: 2^-4 of itself for E4M3's 3 mantissa bits (MXFP8), 2^-2 for E2M1's 1 (NVFP4)
+# at the top of a block, more below it; the errors of K products average out to about
+# the elements' RMS error: 3.7% and 13-15% here (the NVFP4 paper's quantizer: 9.5-11%).
+MATMUL_RTOL = {"mxfp8": 0.05, "nvfp4": 0.2}
+SPEC = "btd,dchk->btchk"
+# Losses of one program sharded two ways: the reduction order differs in float32's last
+# bits, which can move one element across a format rounding boundary (a step of 2^-3 of
+# itself) and the mean loss over 128 tokens by a small part of that.
+LOSS_RTOL = 1e-3  # the fused QKV projection's
+
+
+def _operands():
+  kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (2, 64, 128))
+  w = jax.random.normal(kw, (128, 3, 4, 16)) * 0.1
+  g = jax.random.normal(kg, (2, 64, 3, 4, 16))
+  return x, w, g
+
+
+def _relative(a, b) -> float:
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
+def test_quantized_blocks_use_the_format(fmt):
+  spec = block_scaled.FORMATS[fmt]
+  a = jax.random.normal(jax.random.key(1), (32, 64)) * jnp.logspace(-3, 3, 64)
+  q = block_scaled.quantize(a, spec)
+  assert q.values.dtype == spec.values and q.scales.dtype == spec.scales
+  assert q.scales.shape == (32, 64 // spec.block)
+  values = np.asarray(q.values.astype(jnp.float32))
+  assert np.abs(values).max() <= spec.value_max
+  # Each block's largest value lands near the top of the format's range (one scale step
+  # below at worst: a power of two for MXFP8, an E4M3 rounding for NVFP4's scales).
+  block_max = np.abs(values).reshape(32, -1, spec.block).max(axis=-1)
+  assert block_max.min() >= spec.value_max / 2, block_max.min()
+  error = _relative(block_scaled.dequantize(q, spec), a)
+  assert error < MATMUL_RTOL[fmt], error
+
+
+@pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
+def test_matmul_and_its_gradients_are_within_the_formats_error(fmt):
+  x, w, g = _operands()
+
+  def product(matmul):
+    return lambda x, w: jnp.vdot(matmul(SPEC, x, w), g)
+
+  exact = jax.grad(product(jnp.einsum), argnums=(0, 1))(x, w)
+  scaled = jax.grad(product(lambda s, x, w: block_scaled.einsum(s, x, w, fmt)), argnums=(0, 1))(
+    x, w
+  )
+  forward = _relative(block_scaled.einsum(SPEC, x, w, fmt), jnp.einsum(SPEC, x, w))
+  errors = [forward, _relative(scaled[0], exact[0]), _relative(scaled[1], exact[1])]
+  assert max(errors) < MATMUL_RTOL[fmt], errors
+  # Not exact either: a format that did nothing would pass the bound above.
+  assert min(errors) > 1e-3, errors
+
+
+def _losses(model, steps: int, mesh=MeshConfig(data=-1), devices: int = 1) -> list[float]:
+  exp = ExperimentConfig(
+    name="block_scaled",
+    description="",
+    model=model,
+    mesh=mesh,
+    train=TrainConfig(global_batch=8, steps=steps, task="learnable", learning_rate=1e-2),
+  )
+  program = train_program(exp, devices)
+  step = program.lower(exp.train.global_batch, model.seq_len).compile()
+  state, losses = program.init(), []
+  for i in range(steps):
+    batch = data.batch("learnable", 0, i, exp.train.global_batch, model.seq_len, model.vocab_size)
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return losses
+
+
+def test_tiny_llama_trains_with_block_scaled_matmuls():
+  # d_model 32 and ffn 64: every weight matmul's contraction splits into 32-value blocks.
+  bf16 = dataclasses.replace(SMALL_LLAMA, compute_dtype="bfloat16", num_layers=2)
+  steps = 20
+  reference = _losses(bf16, steps)
+  for fmt, bound in (("mxfp8", 0.01), ("nvfp4", 0.03)):
+    losses = _losses(dataclasses.replace(bf16, block_scaling=fmt), steps)
+    # It learns: the loss falls as bf16's does (by a quarter over 20 steps here) ...
+    assert losses[-1] < 0.85 * losses[0], (fmt, losses)
+    # ... and stays near bf16's through updates taken with rounded gradients: E4M3's
+    # 2^-4 steps (MXFP8) and E2M1's 2^-2 (NVFP4) moved it by at most 0.22% and 0.72%
+    # here; the bounds leave 4x for another machine's reduction order.
+    drift = [abs(a / b - 1) for a, b in zip(losses, reference)]
+    assert max(drift) < bound, (fmt, drift)
+
+
+def test_tensor_and_sequence_parallel_steps_match_one_device():
+  # Sequence parallelism's shard_map then runs with every mesh axis manual (sequence.py
+  # whole_mesh). MXFP8 has no per-tensor scale, and each tensor rank's share of a
+  # row-parallel contraction (64 / 2 attention features, 128 / 2 MLP ones) is whole
+  # 32-value blocks, so both programs quantize the same blocks: equal up to the float32
+  # reduction order, LOSS_RTOL.
+  model = dataclasses.replace(
+    SMALL_LLAMA,
+    compute_dtype="float32",
+    num_layers=2,
+    block_scaling="mxfp8",
+    sequence_parallel=True,
+    d_model=64,
+    head_dim=16,
+    ffn_dim=128,
+  )
+  one = _losses(dataclasses.replace(model, sequence_parallel=False), 3)
+  sharded = _losses(model, 3, MeshConfig(data=-1, tensor=2, devices_per_node=2), devices=2)
+  assert np.allclose(sharded, one, rtol=LOSS_RTOL), (sharded, one)
+
+
+def test_hopper_refuses_block_scaled_formats():
+  result = launch(
+    "--mode=project",
+    "--experiment=tiny",
+    "--hardware=h100",
+    "--gpus=8",
+    "--set",
+    "precision=nvfp4",
+  )
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "model.block_scaling = nvfp4" in lines[0], result.stderr
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
+@pytest.mark.parametrize("fmt, operand", [("nvfp4", "f4e2m1fn"), ("mxfp8", "f8e4m3fn")])
+def test_blackwell_compile_runs_every_weight_gemm_block_scaled(fmt, operand):
+  # Widths of 128 (cuDNN pads a block-scaled GEMM's dimensions to multiples of 128).
+  model = dataclasses.replace(
+    SMALL_LLAMA,
+    d_model=128,
+    head_dim=32,
+    ffn_dim=256,
+    compute_dtype="bfloat16",
+    num_layers=2,
+    block_scaling=fmt,
+    remat="none",
+  )
+  train = TrainConfig(global_batch=8, steps=1)
+  step = aot_compile.compile_step(
+    model,
+    train,
+    (("data", 1), ("fsdp", 1), ("context", 1), ("tensor", 1), ("pipeline", 1)),
+    "b200",
+    8,
+  )
+  assert step.compile_target == "cuda", step.note
+  scaled = [
+    (n, m)
+    for n, m in hlo.walk(step.program)
+    if isinstance(n, hlo.Compute) and n.dot_dtype == operand and n.dot_flops
+  ]
+  # Each layer's five weight matmuls (Q, KV, output, gate/up, down), forward and both
+  # gradients, B x T = 128 tokens: 2 x 128 x (in x out) FLOPs per GEMM.
+  D, F, G, K = model.d_model, model.d_ff, model.kv_heads, model.head_dim
+  weights = D * D + D * 2 * G * K + D * D + D * 2 * F + F * D
+  expected = 3 * 2 * 128 * weights * model.num_layers
+  assert sum(n.dot_flops * m for n, m in scaled) == pytest.approx(expected, rel=0.01)
