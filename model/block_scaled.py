@@ -21,8 +21,13 @@ Formats (`FORMATS`; the OCP Microscaling spec for MXFP8, NVIDIA's for NVFP4):
   Not followed from that recipe: stochastic rounding of gradients (round-to-nearest-even
   here), the random Hadamard transform of the weight-gradient GEMM's inputs, and keeping
   the first and last few layers in BF16 (the layer stack is one scanned program here, so
-  every layer runs one format). Weights are quantized in every matmul call; Transformer
-  Engine caches a step's weight quantization across micro-batches.
+  every layer runs one format).
+
+Weights are quantized once a step (`quantize_weights`, on the whole layer stack, carried
+in a model/fp8.py `CastWeight` as FP8's casts are), not in every matmul call: the layer
+scan and the pipeline loops then read the stored values and scales instead of quantizing
+every weight again for each micro-batch, forward and backward (Transformer Engine caches
+its weight quantization across micro-batches for the same reason).
 
 On a CUDA target the GEMM is `jax.nn.scaled_matmul`, which XLA compiles to cuDNN's
 block-scaled matmul (`__cudnn$blockScaledDot`) for Blackwell when the target's cuDNN is
@@ -39,6 +44,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from model.fp8 import CastWeight
 
 FORMAT_NAMES = ("mxfp8", "nvfp4")
 # The name each matmul's output carries, so that remat policies which keep matmul outputs
@@ -163,45 +170,114 @@ def _weight(w: jax.Array, fmt: Format) -> Quantized:
   return quantize(w.T, fmt, tile_rows=fmt.weight_tile)
 
 
+def _by_n(w: jax.Array, forward: Quantized, fmt: Format) -> Quantized:
+  """w [K, N] quantized for the input-gradient GEMM, along N: the forward's tiles read the
+  other way (2D scaling), else quantized afresh."""
+  if fmt.weight_tile > 1:
+    return transposed(forward, fmt)
+  return quantize(w, fmt)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul(fmt: Format, x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [M, K] @ w [K, N] -> [M, N] in x.dtype, every GEMM block-scaled."""
-  return _dot(quantize(x, fmt), _weight(w, fmt), fmt, x.dtype)
+def _matmul(fmt: Format, x: jax.Array, w: jax.Array, cached: tuple | None) -> jax.Array:
+  """x [M, K] @ w [K, N] -> [M, N] in x.dtype, every GEMM block-scaled; cached: w's
+  (forward, input-gradient) quantizations, made once a step (else made here)."""
+  forward = cached[0] if cached is not None else _weight(w, fmt)
+  return _dot(quantize(x, fmt), forward, fmt, x.dtype)
 
 
-def _forward(fmt, x, w):
+def _forward(fmt, x, w, cached):
   # The weight-gradient GEMM's quantized x^T is kept for the backward pass rather than x
   # (Transformer Engine keeps its "columnwise" copy the same way): 4 or 8 bits a value
   # and a scale a block, against the compute dtype's 16.
-  return _matmul(fmt, x, w), (quantize(x.T, fmt), w)
+  return _matmul(fmt, x, w, cached), (quantize(x.T, fmt), w, cached)
 
 
 def _backward(fmt, residuals, g):
-  x_by_m, w = residuals
+  x_by_m, w, cached = residuals
   # Input gradient: g [M, N] . w [K, N]^T, contracting N.
-  if fmt.weight_tile > 1:
-    w_by_n = transposed(_weight(w, fmt), fmt)  # the forward's tiles, read along N
-  else:
-    w_by_n = quantize(w, fmt)
+  w_by_n = cached[1] if cached is not None else _by_n(w, _weight(w, fmt), fmt)
   dx = _dot(quantize(g, fmt), w_by_n, fmt, g.dtype)  # g: the output's dtype, x's
   # Weight gradient: x^T [K, M] . g^T [N, M]^T, contracting the tokens M.
   dw = _dot(x_by_m, quantize(g.T, fmt), fmt, w.dtype)
-  return dx, dw
+  # The cached quantizations are constants of the step: the gradient is the weight's.
+  return dx, dw, None
 
 
 _matmul.defvjp(_forward, _backward)
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
-  """jnp.einsum(spec, x, w) with block-scaled GEMMs, for x [tokens..., in...] and
-  w [in..., out...] (every weight matmul of the block)."""
+def _flat(spec: str) -> tuple[str, str, str]:
+  """(token, contracted, feature) axes of a weight matmul's spec [tokens, in] x [in, out]."""
   inputs, out = spec.split("->")
   xs, ws = inputs.split(",")
   tokens = "".join(a for a in xs if a not in ws)
   contracted, features = xs[len(tokens) :], out[len(tokens) :]
   if xs != tokens + contracted or ws != contracted + features or out != tokens + features:
     raise ValueError(f"block-scaled einsum: {spec!r} is not [tokens, in] x [in, out]")
+  return tokens, contracted, features
+
+
+def cacheable(stack_shape: tuple[int, ...], contracted: int, fmt: str) -> bool:
+  """Whether `quantize_weights` can lay a weight's quantization out like it: its last
+  contracted and last output axes split into blocks (else each matmul quantizes it)."""
+  b = FORMATS[fmt].block
+  return stack_shape[contracted] % b == 0 and stack_shape[-1] % b == 0
+
+
+def quantize_weights(stack: jax.Array, contracted: int, fmt: str) -> CastWeight:
+  """A layer-stacked weight [L, in..., out...] (its first `contracted` axes after L are
+  contracted) with, per layer, the quantizations its forward and input-gradient GEMMs
+  read: CastWeight(stack, cast, global scales [L]). Each array of `cast` is laid out like
+  the weight, a block axis in place of the last `in` (or `out`) axis for the scales, so
+  that it shards as the weight does: (values, 16 x 16 tile scales) for NVFP4, (values and
+  scales along `in`, values and scales along `out`) for MXFP8."""
+  spec = FORMATS[fmt]
+  inner, outer = stack.shape[1 : 1 + contracted], stack.shape[1 + contracted :]
+  K, N, b = math.prod(inner), math.prod(outer), spec.block
+
+  def one(w):  # [in..., out...]
+    w = w.reshape(K, N)
+    forward = _weight(w, spec)  # w.T [N, K] along K
+    values = forward.values.T.reshape(*inner, *outer)
+    if spec.weight_tile > 1:
+      tiles = forward.scales[::b].T  # [K / b, N / b]
+      return (values, tiles.reshape(*inner[:-1], -1, *outer[:-1], outer[-1] // b)), forward
+    by_n = quantize(w, spec)  # [K, N] along N
+    return (
+      values,
+      forward.scales.T.reshape(*inner[:-1], -1, *outer),
+      by_n.values.reshape(*inner, *outer),
+      by_n.scales.reshape(*inner, *outer[:-1], outer[-1] // b),
+    ), forward
+
+  cast, forward = jax.vmap(one)(jax.lax.stop_gradient(stack))
+  return CastWeight(stack, cast, forward.global_scale)
+
+
+def _cached(w: CastWeight, K: int, N: int, spec: Format) -> tuple[Quantized, Quantized]:
+  """The (forward, input-gradient) quantizations of one layer's w [K, N] (flattened) from
+  `quantize_weights`' arrays."""
+  b = spec.block
+  if spec.weight_tile > 1:
+    values, tiles = w.cast
+    values, tiles = values.reshape(K, N), tiles.reshape(K // b, N // b)
+    forward = Quantized(values.T, jnp.repeat(tiles.T, b, axis=0), w.scale)
+    return forward, Quantized(values, jnp.repeat(tiles, b, axis=0), w.scale)
+  values_k, scales_k, values_n, scales_n = w.cast
+  forward = Quantized(values_k.reshape(K, N).T, scales_k.reshape(K // b, N).T, w.scale)
+  return forward, Quantized(values_n.reshape(K, N), scales_n.reshape(K, N // b), w.scale)
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str) -> jax.Array:
+  """jnp.einsum(spec, x, w) with block-scaled GEMMs, for x [tokens..., in...] and
+  w [in..., out...] (every weight matmul of the block); w may carry its quantizations
+  (`quantize_weights`)."""
+  tokens, contracted, _ = _flat(spec)
+  weight = w.weight if isinstance(w, CastWeight) else w
   lead = x.shape[: len(tokens)]
   rows, inner = math.prod(lead), math.prod(x.shape[len(tokens) :])
-  y = _matmul(FORMATS[fmt], x.reshape(rows, inner), w.reshape(inner, -1))  # [M, N]
-  return checkpoint_name(y.reshape(*lead, *w.shape[len(contracted) :]), OUTPUT_NAME)
+  flat = weight.reshape(inner, -1)  # [K, N]
+  cached = _cached(w, *flat.shape, FORMATS[fmt]) if isinstance(w, CastWeight) else None
+  y = _matmul(FORMATS[fmt], x.reshape(rows, inner), flat, cached)
+  return checkpoint_name(y.reshape(*lead, *weight.shape[len(contracted) :]), OUTPUT_NAME)

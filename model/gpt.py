@@ -60,6 +60,11 @@ KERNELS = ("qkv_kernel", "out_kernel", "fc1_kernel", "fc2_kernel")
 GROUPED_QUERY_KERNELS = ("q_kernel", "kv_kernel", "out_kernel", "fc1_kernel", "fc2_kernel")
 
 
+# Axes of a kernel (after the layer axis) that its matmul contracts: the attention
+# output's heads and head features; one (the input features) for the others.
+_CONTRACTED_AXES = {"out_kernel": 2}
+
+
 def kernels(cfg: ModelConfig) -> tuple[str, ...]:
   """The block's weight matrices for cfg, the keys of FP8's casts and amax histories:
   separate Q and KV kernels with grouped-query attention, one QKV kernel otherwise."""
@@ -398,7 +403,8 @@ class GPT(nnx.Module):
 
   def layer_params(self, scales: dict | None = None) -> dict[str, jax.Array | fp8.CastWeight]:
     """The stacked layer parameters in the compute dtype; with FP8 the matmul kernels
-    with their FP8 casts, made once here for every layer call of the step. scales:
+    with their FP8 casts, with block scaling their quantizations, made once here for
+    every layer call of the step. scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
     params = {
       name: self._cast(v) for name, v in vars(self.layers).items() if isinstance(v, nnx.Param)
@@ -419,6 +425,15 @@ class GPT(nnx.Module):
         # gathered whole, in FP8 (otherwise the constraint changes nothing).
         axes = getattr(self.layers, name).get_metadata()["axes"]
         params[name] = w._replace(cast=constrain(w.cast, axes))
+    elif self.cfg.block_scaling != "none":
+      for name in kernels(self.cfg):
+        contracted = _CONTRACTED_AXES.get(name, 1)
+        if not block_scaled.cacheable(params[name].shape, contracted, self.cfg.block_scaling):
+          continue
+        w = block_scaled.quantize_weights(params[name], contracted, self.cfg.block_scaling)
+        # Laid out like the kernel: gathered whole as it is (see the FP8 case above).
+        axes = getattr(self.layers, name).get_metadata()["axes"]
+        params[name] = w._replace(cast=tuple(constrain(c, axes) for c in w.cast))
     return params
 
   def embed(self, tokens: jax.Array) -> jax.Array:

@@ -506,6 +506,11 @@ def collectives(program: Program | Iterable[Node]) -> Iterator[tuple[Collective,
   return ((n, m) for n, m in walk(program) if isinstance(n, Collective))
 
 
+def uses_fp4(program: Program | Iterable[Node]) -> bool:
+  """Whether any matmul takes FP4 (f4e2m1fn: NVFP4's values) operands."""
+  return any(n.dot_dtype.startswith("f4") for n, _ in walk(program) if isinstance(n, Compute))
+
+
 def uses_fp8(program: Program | Iterable[Node]) -> bool:
   """Whether any matmul takes FP8 (f8e4m3fn, f8e5m2, ...) operands (MXFP8's included)."""
   return any(n.dot_dtype.startswith("f8") for n, _ in walk(program) if isinstance(n, Compute))

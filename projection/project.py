@@ -129,6 +129,8 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
   if hlo.uses_fp8(program) and hw.peak_tflops("fp8"):
     point["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
+  if hlo.uses_fp4(program) and hw.peak_tflops("fp4"):
+    point["mfu_fp4"] = model_tflops / hw.peak_tflops("fp4")
   if exp.benchmark is not None:
     # An evaluation is a forward pass: a third of the model's training FLOPs, against
     # the compiled step's FLOPs (which include recomputation).

@@ -117,6 +117,7 @@ class ProjectedPoint:
   over_capacity_gb: float | None = None  # when it does not fit
   # When it fits:
   mfu_fp8: float | None = None  # against the FP8 peak, for programs with FP8 matmuls
+  mfu_fp4: float | None = None  # against the FP4 peak, for programs with NVFP4 matmuls
   time_to_train: dict | None = None  # experiments with a benchmark target
   time_to_train_min: float | None = None
   step_time_s: float | None = None

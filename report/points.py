@@ -168,7 +168,10 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
 
 def headline_mfu(record: dict) -> tuple[float | None, str]:
   """(MFU, its label) against the peak of the precision the matmuls run in: a program
-  with FP8 matmuls against the FP8 peak ("fp8"), else the bf16 peak ("")."""
+  with NVFP4 matmuls against the FP4 peak ("fp4"), with FP8 ones against the FP8 peak
+  ("fp8"), else the bf16 peak ("")."""
+  if record.get("mfu_fp4") is not None:
+    return record["mfu_fp4"], " fp4"
   if record.get("mfu_fp8") is not None:
     return record["mfu_fp8"], " fp8"
   return record.get("mfu"), ""
