@@ -23,7 +23,9 @@ Formats (`FORMATS`; the OCP Microscaling spec for MXFP8, NVIDIA's for NVFP4):
   the first and last few layers in BF16 (the layer stack is one scanned program here, so
   every layer runs one format).
 
-Weights are quantized once a step (`quantize_weights`, on the whole layer stack, carried
+Weights are quantized once a step where their last contracted and output axes split into
+blocks (`cacheable`; every kernel of the GPT-3 and Llama shapes) (`quantize_weights`, on
+the whole layer stack, carried
 in a model/fp8.py `CastWeight` as FP8's casts are), not in every matmul call: the layer
 scan and the pipeline loops then read the stored values and scales instead of quantizing
 every weight again for each micro-batch, forward and backward (Transformer Engine caches
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from errors import UserInputError
 from model.fp8 import CastWeight
 
 FORMAT_NAMES = ("mxfp8", "nvfp4")
@@ -83,8 +86,10 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
   (16 x 16 tiles for NVFP4 weights)."""
   R, K = a.shape
   if K % fmt.block or R % tile_rows:
-    raise ValueError(
-      f"{fmt.name}: a [{R}, {K}] operand does not split into {tile_rows} x {fmt.block} blocks"
+    raise UserInputError(
+      f"model.block_scaling = {fmt.name}: a [{R}, {K}] matmul operand does not split into "
+      f"{tile_rows} x {fmt.block} blocks; each matmul's widths (per tensor rank) and tokens "
+      f"per micro-batch must be multiples of {fmt.block}"
     )
   a = a.astype(jnp.float32)
   tiles = a.reshape(R // tile_rows, tile_rows, K // fmt.block, fmt.block)
@@ -151,6 +156,9 @@ def _cudnn_vmap(axis_size, in_batched, av, bv, a_scales, b_scales):
   # stages) a weight often is not: the mapped axis then joins the other operand's rows,
   # as a shared weight's matmul batches.
   a_batched, b_batched = in_batched[0], in_batched[1]
+  # Scales are made with their values, so they are batched alike.
+  assert in_batched[2] == a_batched and in_batched[3] == b_batched, in_batched
+  assert a_batched or b_batched, in_batched
   if a_batched and b_batched:
     return _cudnn(av, bv, a_scales, b_scales), True
   if a_batched:  # [V, ..., M, K] x [..., N, K]: V M rows
@@ -187,9 +195,9 @@ def _matmul(fmt: Format, x: jax.Array, w: jax.Array, cached: tuple | None) -> ja
 
 
 def _forward(fmt, x, w, cached):
-  # The weight-gradient GEMM's quantized x^T is kept for the backward pass rather than x
-  # (Transformer Engine keeps its "columnwise" copy the same way): 4 or 8 bits a value
-  # and a scale a block, against the compute dtype's 16.
+  # The backward pass's residual is the weight-gradient GEMM's quantized x^T rather than
+  # x (Transformer Engine's "columnwise" copy). Under the model's remat policies, which
+  # save only named activations and matmul outputs, it is recomputed from x there.
   return _matmul(fmt, x, w, cached), (quantize(x.T, fmt), w, cached)
 
 

@@ -11,7 +11,9 @@ import pytest
 from small_models import SMALL_LLAMA, train_program
 from test_launch import launch
 
-from experiments import ExperimentConfig
+import experiments
+from errors import UserInputError
+from experiments import ExperimentConfig, overrides
 from model import block_scaled
 from parallelism.mesh import MeshConfig
 from projection import aot_compile, hlo, targets
@@ -24,7 +26,7 @@ from train.config import TrainConfig
 # at the top of a block, more below it; the errors of K products average out to about
 # the elements' RMS error: 3.7% and 13-15% here (the NVFP4 paper's quantizer: 9.5-11%).
 MATMUL_RTOL = {"mxfp8": 0.05, "nvfp4": 0.2}
-SPEC = "btd,dchk->btchk"
+SPEC = "btd,dchk->btchk"  # the fused QKV projection's
 # Losses of one program sharded two ways: the reduction order differs in float32's last
 # bits, which can move one element across a format rounding boundary (a step of 2^-3 of
 # itself) and the mean loss over 128 tokens by a small part of that.
@@ -37,7 +39,7 @@ REDUCTION_RTOL = 1e-5
 BLOCKED = dataclasses.replace(SMALL_LLAMA, d_model=128, head_dim=32, ffn_dim=256, num_layers=2)
 # Low enough that bf16's and the formats' runs stay on one path over 20 steps (at 1e-2
 # this model's losses part by up to 10% in either format, MXFP8 included).
-LEARNING_RATE = 3e-3  # the fused QKV projection's
+LEARNING_RATE = 3e-3
 
 
 def _operands():
@@ -60,13 +62,34 @@ def test_quantized_blocks_use_the_format(fmt):
   assert q.values.dtype == spec.values and q.scales.dtype == spec.scales
   assert q.scales.shape == (32, 64 // spec.block)
   values = np.asarray(q.values.astype(jnp.float32))
-  assert np.abs(values).max() <= spec.value_max
   # Each block's largest value lands near the top of the format's range (one scale step
-  # below at worst: a power of two for MXFP8, an E4M3 rounding for NVFP4's scales).
+  # below at worst: a power of two for MXFP8, an E4M3 rounding for NVFP4's scales; the
+  # blocks' amaxes here, 1e-3 to 1e3 x a Gaussian's, keep NVFP4's scales off E4M3's
+  # subnormals).
   block_max = np.abs(values).reshape(32, -1, spec.block).max(axis=-1)
   assert block_max.min() >= spec.value_max / 2, block_max.min()
   error = _relative(block_scaled.dequantize(q, spec), a)
   assert error < MATMUL_RTOL[fmt], error
+
+
+def test_nvfp4_tiles_read_the_other_way_are_the_transposes_quantization():
+  # 16 x 16 tiles: quantizing a along rows and reading it along columns (transposed) gives
+  # the same bits as quantizing a.T, which the input-gradient GEMM relies on.
+  spec = block_scaled.FORMATS["nvfp4"]
+  a = jax.random.normal(jax.random.key(3), (64, 48)) * jnp.logspace(-2, 2, 48)
+  by_rows = block_scaled.transposed(block_scaled.quantize(a, spec, tile_rows=16), spec)
+  direct = block_scaled.quantize(a.T, spec, tile_rows=16)
+  for got, want in zip(by_rows, direct):
+    assert np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_block_scaling_shortcut_and_refusals():
+  exp = overrides.apply(experiments.load("tiny"), ["precision=fp8", "precision=mxfp8"])
+  assert (exp.model.fp8, exp.model.block_scaling) == (False, "mxfp8")
+  with pytest.raises(UserInputError, match="replaces per-tensor FP8"):
+    dataclasses.replace(exp.model, fp8=True).validate()
+  with pytest.raises(UserInputError, match="multiples of 16"):
+    block_scaled.quantize(jnp.ones((16, 24)), block_scaled.FORMATS["nvfp4"])
 
 
 @pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
