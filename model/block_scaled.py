@@ -23,13 +23,13 @@ Formats (`FORMATS`; the OCP Microscaling spec for MXFP8, NVIDIA's for NVFP4):
   the first and last few layers in BF16 (the layer stack is one scanned program here, so
   every layer runs one format).
 
-Weights are quantized once a step where their last contracted and output axes split into
-blocks (`cacheable`; every kernel of the GPT-3 and Llama shapes) (`quantize_weights`, on
-the whole layer stack, carried
+Weights are quantized once a step (`quantize_weights`, on the whole layer stack, carried
 in a model/fp8.py `CastWeight` as FP8's casts are), not in every matmul call: the layer
 scan and the pipeline loops then read the stored values and scales instead of quantizing
 every weight again for each micro-batch, forward and backward (Transformer Engine caches
-its weight quantization across micro-batches for the same reason).
+its weight quantization across micro-batches for the same reason). That needs a kernel's
+last contracted and last output axes to split into blocks (`cacheable`: every kernel of
+the GPT-3 and Llama shapes); other kernels are quantized in each call.
 
 On a CUDA target the GEMM is `jax.nn.scaled_matmul`, which XLA compiles to cuDNN's
 block-scaled matmul (`__cudnn$blockScaledDot`) for Blackwell when the target's cuDNN is
