@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import UserInputError
+from model import matmul as dense
 from model.fp8 import CastWeight
 
 FORMAT_NAMES = ("mxfp8", "nvfp4")
@@ -112,7 +113,6 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
 
 def transposed(q: Quantized, fmt: Format) -> Quantized:
   """A 2D-scaled (tile_rows == block) quantization of a [R, K] as one of a.T [K, R]."""
-  R, K = q.values.shape
   tiles = q.scales[:: fmt.block]  # [R / block, K / block]
   return Quantized(q.values.T, jnp.repeat(tiles.T, fmt.block, axis=0), q.global_scale)
 
@@ -215,17 +215,6 @@ def _backward(fmt, residuals, g):
 _matmul.defvjp(_forward, _backward)
 
 
-def _flat(spec: str) -> tuple[str, str, str]:
-  """(token, contracted, feature) axes of a weight matmul's spec [tokens, in] x [in, out]."""
-  inputs, out = spec.split("->")
-  xs, ws = inputs.split(",")
-  tokens = "".join(a for a in xs if a not in ws)
-  contracted, features = xs[len(tokens) :], out[len(tokens) :]
-  if xs != tokens + contracted or ws != contracted + features or out != tokens + features:
-    raise ValueError(f"block-scaled einsum: {spec!r} is not [tokens, in] x [in, out]")
-  return tokens, contracted, features
-
-
 def cacheable(stack_shape: tuple[int, ...], contracted: int, fmt: str) -> bool:
   """Whether `quantize_weights` can lay a weight's quantization out like it: its last
   contracted and last output axes split into blocks (else each matmul quantizes it)."""
@@ -269,9 +258,9 @@ def _cached(w: CastWeight, K: int, N: int, spec: Format) -> tuple[Quantized, Qua
   b = spec.block
   if spec.weight_tile > 1:
     values, tiles = w.cast
-    values, tiles = values.reshape(K, N), tiles.reshape(K // b, N // b)
-    forward = Quantized(values.T, jnp.repeat(tiles.T, b, axis=0), w.scale)
-    return forward, Quantized(values, jnp.repeat(tiles, b, axis=0), w.scale)
+    tiles = tiles.reshape(K // b, N // b)
+    forward = Quantized(values.reshape(K, N).T, jnp.repeat(tiles.T, b, axis=0), w.scale)
+    return forward, transposed(forward, spec)
   values_k, scales_k, values_n, scales_n = w.cast
   forward = Quantized(values_k.reshape(K, N).T, scales_k.reshape(K // b, N).T, w.scale)
   return forward, Quantized(values_n.reshape(K, N), scales_n.reshape(K, N // b), w.scale)
@@ -281,7 +270,10 @@ def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str) -> jax.
   """jnp.einsum(spec, x, w) with block-scaled GEMMs, for x [tokens..., in...] and
   w [in..., out...] (every weight matmul of the block); w may carry its quantizations
   (`quantize_weights`)."""
-  tokens, contracted, _ = _flat(spec)
+  axes = dense.weight_axes(spec)
+  if axes is None:
+    raise ValueError(f"block-scaled einsum: {spec!r} is not [tokens, in] x [in, out]")
+  tokens, contracted, _ = axes
   weight = w.weight if isinstance(w, CastWeight) else w
   lead = x.shape[: len(tokens)]
   rows, inner = math.prod(lead), math.prod(x.shape[len(tokens) :])

@@ -24,6 +24,17 @@ def _split(spec: str) -> tuple[str, str, str]:
   return x, w, out
 
 
+def weight_axes(spec: str) -> tuple[str, str, str] | None:
+  """(token, contracted, output) axes of a weight matmul's spec when it is
+  [tokens, in] x [in, out] -> [tokens, out] (every matmul of the block), else None."""
+  xs, ws, out = _split(spec)
+  tokens = "".join(a for a in xs if a not in ws)
+  contracted, features = xs[len(tokens) :], out[len(tokens) :]
+  if xs != tokens + contracted or ws != contracted + features or out != tokens + features:
+    return None
+  return tokens, contracted, features
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
   """jnp.einsum(spec, x, w) for a weight matmul (each index of an operand appears in the
@@ -43,10 +54,10 @@ def _backward(spec, residuals, g):
   def autodiff(x, g):
     return jnp.einsum(f"{xs},{out}->{ws}", x, g)
 
-  tokens = len([a for a in xs if a not in ws])
-  contracted, features = xs[tokens:], out[tokens:]
-  if xs[:tokens] != out[:tokens] or ws != contracted + features:
+  axes = weight_axes(spec)
+  if axes is None:
     return dx, autodiff(x, g)  # not [tokens, in] x [in, out]: autodiff's form
+  tokens = len(axes[0])
   if jax.sharding.get_abstract_mesh().size > 1:
     # Sharded: flattening the token axes and the explicit transposes would make the SPMD
     # partitioner regather operands (an all-gather appears in a pipelined tensor-parallel
