@@ -376,9 +376,11 @@ def search(
   ranking = rank(exp, hw, gpus)
   if not ranking.survivors:
     reasons = "; ".join(f"{n} by {why}" for why, n in ranking.pruned.items())
+    most = next(iter(ranking.pruned))  # most_common order
     raise UserInputError(
       f"--gpus {gpus} on {hw.name}: none of the {ranking.candidates} "
-      f"parallelism configurations of {exp.name} is valid ({reasons})"
+      f"parallelism configurations of {exp.name} is valid ({reasons}; e.g. "
+      f"{ranking.examples[most]})"
     )
   before = aot_compile.compile_step.cache_info().misses
   records = []
