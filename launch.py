@@ -70,6 +70,12 @@ _SEARCH_BUDGET = flags.DEFINE_integer(
   "search: candidates projected (compiled) at most, per hardware and GPU count.",
   lower_bound=1,
 )
+_FULL_COMPILE = flags.DEFINE_bool(
+  "full_compile",
+  False,
+  "sweep: compile every projected point whole, not a 1F1B step composed from cached "
+  "compiled pieces (projection/compose.py).",
+)
 _PROFILE_STEPS = flags.DEFINE_string(
   "profile_steps",
   None,
@@ -124,6 +130,7 @@ def main(argv: list[str]) -> None:
     gpus=tuple(_GPUS.value),
     top=_TOP.value,
     search_budget=_SEARCH_BUDGET.value,
+    full_compile=_FULL_COMPILE.value,
     profile_steps=_PROFILE_STEPS.value,
     checkpoint_dir=_CHECKPOINT_DIR.value,
     checkpoint_every=_CHECKPOINT_EVERY.value,

@@ -26,6 +26,7 @@ class Options:
   gpus: tuple[str, ...] = ("512",)  # as given: checked by projection_points
   top: int = 5
   search_budget: int = 0
+  full_compile: bool = False
   profile_steps: str | None = None
   checkpoint_dir: str | None = None
   checkpoint_every: int = 100

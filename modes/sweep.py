@@ -20,6 +20,7 @@ def run(options: Options) -> list[dict]:
     jax.devices()[0].platform,
     lambda hardware, n: experiment(options, definition.mode, definition.overrides, n, hardware),
     point_options(options),
+    options.full_compile,
   )
   summary.finish(records, options.output_dir)
   failed = [r["sweep_key"] for r in records if r["status"] == "failed"]

@@ -41,7 +41,6 @@ import jax
 
 from errors import UserInputError
 from hardware.catalog import Hardware
-from model.flops import train_flops_per_token
 from parallelism import one_f_one_b
 from projection import (
   aot_compile,
@@ -55,6 +54,8 @@ from projection import (
 from projection import project as full
 
 GB = 1e9
+# The cached pieces' layout (Piece): a change of it makes new keys.
+_FORMAT = 2
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
 
 _FILL, _STEADY, _DRAIN = (
@@ -91,6 +92,9 @@ class Piece:
   program: hlo.Program
   memory_per_device_bytes: int
   data_sharded_state_bytes: int
+  compile_target: str
+  compile_note: str | None
+  compile_s: float
 
 
 def cache_dir() -> str:
@@ -101,6 +105,17 @@ def cache_dir() -> str:
 
 def layers_per_chunk(exp, stages: int) -> int:
   return exp.model.num_layers // (stages * exp.train.virtual_stages)
+
+
+def composes(exp) -> bool:
+  """Whether `exp`'s step is one this module composes: a 1f1b pipeline."""
+  return exp.mesh.pipeline > 1 and exp.train.pipeline_schedule == "1f1b"
+
+
+def project_any(exp, hw_name: str, gpus: int) -> dict:
+  """Composed where `exp` composes, else the full compile (projection/project.py): what
+  sweeps run by default."""
+  return (project if composes(exp) else full.project)(exp, hw_name, gpus)
 
 
 def _check(exp, reduced: layout.ReducedMesh) -> None:
@@ -158,6 +173,7 @@ def _key(
     hw.gpus_per_node,
     shapes,
     jax.__version__,
+    _FORMAT,
   )
   return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
@@ -190,10 +206,17 @@ def pieces(
       micro_batches=micro,
       compiled_micro_batches=micro,
     )
-    step, _ = aot_compile.compiled_program(piece_exp, hw, piece_reduced, timer)
+    step, compile_s = aot_compile.compiled_program(piece_exp, hw, piece_reduced, timer)
     found.append(
       Piece(
-        virtual, micro, step.program, step.memory_per_device_bytes, step.data_sharded_state_bytes
+        virtual,
+        micro,
+        step.program,
+        step.memory_per_device_bytes,
+        step.data_sharded_state_bytes,
+        step.compile_target,
+        step.note,
+        compile_s,
       )
     )
   os.makedirs(cache_dir(), exist_ok=True)
@@ -261,11 +284,15 @@ def _extrapolate(
 
 
 def project(exp, hw_name: str, gpus: int) -> dict:
-  """A projection record of `exp` on `gpus` GPUs of `hw_name`, composed from pieces; the
-  fields are projection/project.py's that the composition gives, plus `composed` and
-  `pieces_cached`. A configuration over HBM capacity is still timed (as if it fit)."""
+  """A projection record of `exp` on `gpus` GPUs of `hw_name`, composed from pieces: a
+  records.points.ProjectedPoint as projection/project.py's `record` assembles it, with
+  `composition` (the pieces' shapes, layers per chunk, whether they were cached)."""
   hw = full.hardware(hw_name, gpus)
-  reduced = full.plan(exp, hw, gpus)
+  return project_on(exp, hw, full.plan(exp, hw, gpus))
+
+
+def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
+  """`project` on a planned layout (the search's projector)."""
   _check(exp, reduced)
   target = reduced.target
   stages = target.sizes["pipeline"]
@@ -285,60 +312,42 @@ def project(exp, hw_name: str, gpus: int) -> dict:
   outside = [_split(p.program)[0] for p in found]
   loops = _split(at_trips(found[0].program, micro, stages, virtual))[1]
 
-  def composed(of):
+  def composed(of) -> float:
     return _extrapolate([of(p) for p in outside], shapes, virtual, groups) + of(loops)
 
-  fields = len(dataclasses.astuple(cost_model.ZERO))
-  costs = {
-    id(p): dataclasses.astuple(cost_model.simulate(p.entry, hw, timer)) for p in (*outside, loops)
-  }
-  cost = cost_model.StepCost(*(composed(lambda p, i=i: costs[id(p)][i]) for i in range(fields)))
-  by_axis = {
-    id(p): collective_timing.exposed_comm_by_axis_s(p, hw, reduced, timer)
-    for p in (*outside, loops)
-  }
-  axes = sorted(set().union(*by_axis.values()))
-  flops = composed(hlo.total_flops)
+  def timing() -> full.Timing:
+    fields = len(dataclasses.astuple(cost_model.ZERO))
+    costs = {
+      id(p): dataclasses.astuple(cost_model.simulate(p.entry, hw, timer)) for p in (*outside, loops)
+    }
+    cost = cost_model.StepCost(*(composed(lambda p, i=i: costs[id(p)][i]) for i in range(fields)))
+    by_axis = {
+      id(p): collective_timing.exposed_comm_by_axis_s(p, hw, reduced, timer)
+      for p in (*outside, loops)
+    }
+    axes = sorted(set().union(*by_axis.values()))
+    return full.Timing(
+      cost,
+      step_loops.bubble_s(loops, hw, timer, micro, stages, virtual),
+      {a: composed(lambda p, a=a: by_axis[id(p)].get(a, 0.0)) for a in axes},
+    )
 
   data_growth = target.sizes["data"] / reduced.sizes["data"]
   memory = _extrapolate([p.memory_per_device_bytes for p in found], shapes, virtual, groups)
   split_state = _extrapolate([p.data_sharded_state_bytes for p in found], shapes, virtual, groups)
-  memory_gb = (memory - split_state * (1 - 1 / data_growth)) / GB
-  capacity_gb = hw.hbm_bytes / GB
-  tokens_per_step = exp.train.global_batch * exp.model.seq_len
-  tokens_per_s = tokens_per_step / cost.step_s
-  model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
-  record = {
-    "mode": "project",
-    "composed": True,
-    "pieces_cached": cached,
-    "experiment": exp.name,
-    "hardware": hw.name,
-    "gpus": gpus,
-    "mesh": target.sizes,
-    "layers_per_chunk": layers_per_chunk(exp, stages),
-    "micro_batches": micro,
+  compiled = full.Compiled(
+    found[0].compile_target,
+    found[0].compile_note,
+    0.0 if cached else sum(p.compile_s for p in found),
+    composed(hlo.total_flops),
+    composed(hlo.dot_flops),
+    (memory - split_state * (1 - 1 / data_growth)) / GB,
+    hlo.uses_fp8(found[0].program),
+    hlo.uses_fp4(found[0].program),
+  )
+  composition = {
     "pieces": [list(s) for s in shapes],
-    "hlo_flops_per_device": flops,
-    "hlo_flops_per_step": flops * gpus,
-    "memory_per_gpu_gb": memory_gb,
-    "hbm_capacity_gb": capacity_gb,
-    "fits": memory_gb <= capacity_gb,
-    "step_time_s": cost.step_s,
-    "tokens_per_s_per_gpu": tokens_per_s / gpus,
-    "mfu": model_tflops / hw.peak_tflops("bf16"),
-    "breakdown": {
-      "compute_s": cost.compute_s,
-      "exposed_comm_s": cost.exposed_comm_s,
-      "other_s": cost.other_s,
-      "bubble_s": step_loops.bubble_s(loops, hw, timer, micro, stages, virtual),
-      "memory_bound_s": cost.memory_bound_s,
-      "exposed_comm_by_axis_s": {
-        a: composed(lambda p, a=a: by_axis[id(p)].get(a, 0.0)) for a in axes
-      },
-    },
-    "comm_s": cost.comm_s,
+    "layers_per_chunk": layers_per_chunk(exp, stages),
+    "cached": cached,
   }
-  if not record["fits"]:
-    record["over_capacity_gb"] = memory_gb - capacity_gb
-  return record
+  return full.record(exp, hw, reduced, compiled, timing, composition)

@@ -11,12 +11,16 @@
    on the full cluster and cost it (projection/collective_timing.py), and run the
    two-stream cost model (projection/cost_model.py).
 4. Assemble the record: memory against HBM, and, when it fits, step time, MFU and the
-   breakdown, with the pipeline's bubble (`project_on`).
+   breakdown, with the pipeline's bubble (`record`, which projection/compose.py's
+   composed programs go through too).
 
 Compiles are cached by everything they depend on. The compiled program's data axis and
 micro-batch count do not depend on the GPU count, so every GPU count of one experiment
 (with fixed fsdp and tensor sizes) on one GPU generation shares one compile.
 """
+
+import dataclasses
+from collections.abc import Callable
 
 from errors import UserInputError
 from hardware import catalog
@@ -76,7 +80,6 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   pass a `reduced` equal to the target to compare against a direct compile): a
   records.points.ProjectedPoint as its JSON object (a dict: the search adds its keys)."""
   target = reduced.target
-  gpus = target.devices
   timer = collective_timing.collective_timer(reduced, hw)
   step, compile_s = aot_compile.compiled_program(exp, hw, reduced, timer)
   stages = target.sizes.get("pipeline", 1)
@@ -84,12 +87,69 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   program = step_loops.with_micro_batches(
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual
   )
-
-  tokens_per_step = exp.train.global_batch * exp.model.seq_len
   data_growth = target.sizes["data"] / reduced.sizes["data"]
   memory_gb = (
     step.memory_per_device_bytes - step.data_sharded_state_bytes * (1 - 1 / data_growth)
   ) / GB
+
+  def timing() -> Timing:
+    return Timing(
+      cost_model.simulate(program.entry, hw, timer),
+      step_loops.bubble_s(program, hw, timer, reduced.micro_batches, stages, virtual),
+      collective_timing.exposed_comm_by_axis_s(program, hw, reduced, timer),
+    )
+
+  compiled = Compiled(
+    step.compile_target,
+    step.note,
+    compile_s,
+    hlo.total_flops(program),
+    hlo.dot_flops(program),
+    memory_gb,
+    hlo.uses_fp8(program),
+    hlo.uses_fp4(program),
+  )
+  return record(exp, hw, reduced, compiled, timing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """What a record reads of the program it projects, compiled whole or composed of pieces
+  (projection/compose.py): per device on the target."""
+
+  compile_target: str
+  compile_note: str | None
+  compile_s: float
+  flops: float
+  matmul_flops: float
+  memory_gb: float
+  uses_fp8: bool
+  uses_fp4: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """The program costed on the target: the step, its bubble and its exposed
+  communication by mesh axis."""
+
+  cost: cost_model.StepCost
+  bubble_s: float
+  exposed_comm_by_axis_s: dict[str, float]
+
+
+def record(
+  exp,
+  hw: Hardware,
+  reduced: layout.ReducedMesh,
+  compiled: Compiled,
+  timing: Callable[[], Timing],
+  composition: dict | None = None,
+) -> dict:
+  """The ProjectedPoint of `compiled` on `reduced.target` as its JSON object; `timing` is
+  called only when the program fits in HBM."""
+  target = reduced.target
+  gpus = target.devices
+  tokens_per_step = exp.train.global_batch * exp.model.seq_len
   capacity_gb = hw.hbm_bytes / GB
   point = dict(
     mode="project",
@@ -110,26 +170,28 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
     tokens_per_step=tokens_per_step,
     compute_dtype=exp.model.compute_dtype,
     remat=exp.model.remat,
-    compile_target=step.compile_target,
-    compile_note=step.note,
-    compile_s=round(compile_s, 3),
-    hlo_flops_per_device=hlo.total_flops(program),
-    hlo_flops_per_step=hlo.total_flops(program) * gpus,
-    hlo_matmul_flops_per_step=hlo.dot_flops(program) * gpus,
-    memory_per_gpu_gb=memory_gb,
+    compile_target=compiled.compile_target,
+    compile_note=compiled.compile_note,
+    compile_s=round(compiled.compile_s, 3),
+    hlo_flops_per_device=compiled.flops,
+    hlo_flops_per_step=compiled.flops * gpus,
+    hlo_matmul_flops_per_step=compiled.matmul_flops * gpus,
+    memory_per_gpu_gb=compiled.memory_gb,
     hbm_capacity_gb=capacity_gb,
-    fits=memory_gb <= capacity_gb,
+    fits=compiled.memory_gb <= capacity_gb,
     peak_tflops_per_device=hw.peak_tflops("bf16"),
+    composition=composition,
   )
   if not point["fits"]:
-    return to_json(ProjectedPoint(**point, over_capacity_gb=memory_gb - capacity_gb))
+    return to_json(ProjectedPoint(**point, over_capacity_gb=compiled.memory_gb - capacity_gb))
 
-  cost = cost_model.simulate(program.entry, hw, timer)
+  timed = timing()
+  cost = timed.cost
   tokens_per_s = tokens_per_step / cost.step_s
   model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
-  if hlo.uses_fp8(program) and hw.peak_tflops("fp8"):
+  if compiled.uses_fp8 and hw.peak_tflops("fp8"):
     point["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
-  if hlo.uses_fp4(program) and hw.peak_tflops("fp4"):
+  if compiled.uses_fp4 and hw.peak_tflops("fp4"):
     point["mfu_fp4"] = model_tflops / hw.peak_tflops("fp4")
   if exp.benchmark is not None:
     # An evaluation is a forward pass: a third of the model's training FLOPs, against
@@ -154,11 +216,9 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
         "compute_s": cost.compute_s,
         "exposed_comm_s": cost.exposed_comm_s,
         "other_s": cost.other_s,
-        "bubble_s": step_loops.bubble_s(program, hw, timer, reduced.micro_batches, stages, virtual),
+        "bubble_s": timed.bubble_s,
         "memory_bound_s": cost.memory_bound_s,
-        "exposed_comm_by_axis_s": collective_timing.exposed_comm_by_axis_s(
-          program, hw, reduced, timer
-        ),
+        "exposed_comm_by_axis_s": timed.exposed_comm_by_axis_s,
       },
       comm_s=cost.comm_s,
     )

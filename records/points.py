@@ -115,6 +115,9 @@ class ProjectedPoint:
   fits: bool
   peak_tflops_per_device: float  # dense BF16
   over_capacity_gb: float | None = None  # when it does not fit
+  # Composed from compiled pieces (projection/compose.py): the pieces' (virtual stages,
+  # groups), layers per chunk and whether they came from the disk cache.
+  composition: dict | None = None
   # When it fits:
   mfu_fp8: float | None = None  # against the FP8 peak, for programs with FP8 matmuls
   mfu_fp4: float | None = None  # against the FP4 peak, for programs with NVFP4 matmuls

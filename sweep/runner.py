@@ -21,7 +21,7 @@ from errors import UserInputError
 from measure import fit
 from measure.point import PointOptions, run_point
 from parallelism import mesh as mesh_lib
-from projection import layout, project
+from projection import compose, layout, project
 from records.points import to_json
 from report import results
 from sweep import metrics
@@ -50,10 +50,12 @@ def points(sweep: Sweep, platform: str) -> list[Point]:
   return [Point(s, h, n) for h in hardware for s in sweep.scalings for n in sorted(sweep.counts)]
 
 
-def point_key(exp, sweep: Sweep, point: Point) -> str:
+def point_key(exp, sweep: Sweep, point: Point, full_compile: bool = False) -> str:
+  """`full_compile` points get keys of their own: composed records do not stand in for
+  them (a full compile's record stands in for a composed one, its reference)."""
   return (
     f"{exp.name}/{sweep.mode}/{point.scaling}/{point.hardware}/{point.devices}/"
-    f"{config_fingerprint(exp)}"
+    f"{config_fingerprint(exp)}{'/full' if full_compile else ''}"
   )
 
 
@@ -92,12 +94,18 @@ def _measure(exp, devices: int, options: PointOptions) -> dict:
 
 
 def _run_point(
-  base, at_target: AtTarget, sweep: Sweep, point: Point, options: PointOptions
+  base,
+  at_target: AtTarget,
+  sweep: Sweep,
+  point: Point,
+  options: PointOptions,
+  full_compile: bool,
 ) -> dict:
   try:
     point_exp = point_experiment(base, at_target(point.hardware, point.devices), sweep, point)
     if sweep.mode == "project":
-      record = project.project(point_exp, point.hardware, point.devices)
+      projector = project.project if full_compile else compose.project_any
+      record = projector(point_exp, point.hardware, point.devices)
     else:
       record = _measure(point_exp, point.devices, options)
   except UserInputError as e:
@@ -133,16 +141,19 @@ def run(
   platform: str,
   at_target: AtTarget | None = None,
   options: PointOptions | None = None,
+  full_compile: bool = False,
 ) -> list[dict]:
   """Run the points not yet in `output_dir`; return every record of this sweep.
 
   `exp` names the sweep and fingerprints its configuration; `at_target(hardware, n)` is
   the experiment as n devices of that hardware run it (default: `exp` everywhere); a
-  measured point runs with `options` (default: TensorBoard scalars in `output_dir`).
+  measured point runs with `options` (default: TensorBoard scalars in `output_dir`). A
+  projected 1f1b point is composed from cached pieces (projection/compose.py) unless
+  `full_compile`.
   """
   at_target = at_target or (lambda _hardware, _devices: exp)
   options = options or PointOptions(output_dir=output_dir)
-  keyed = {point_key(exp, sweep, p): p for p in points(sweep, platform)}
+  keyed = {point_key(exp, sweep, p, full_compile): p for p in points(sweep, platform)}
   # results.read skips (with a warning) lines that are not records; a record of another
   # shape (a hand edit, another tool) is not this sweep's.
   done = {
@@ -166,7 +177,7 @@ def run(
     for key in progress:
       point = keyed[key]
       progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
-      record = _run_point(exp, at_target, sweep, point, options)
+      record = _run_point(exp, at_target, sweep, point, options, full_compile)
       _label(record, exp, sweep, key, point)
       if record["status"] == "failed":
         progress.write(f"point {key} failed: {record['reason']}")

@@ -39,7 +39,7 @@ def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, mon
   monkeypatch.setenv(compose.CACHE_ENV, str(tmp_path))
   composed = compose.project(toy, "h100", 64)
   reference = project.project(toy, "h100", 64)
-  assert composed["pieces_cached"] is False
+  assert composed["composition"]["cached"] is False
   assert composed["micro_batches"] == reference["micro_batches"] == 8
   # The target runs the first piece's loop bodies at its own trip counts; what differs is
   # what is extrapolated linearly in V and M around the loops (per-stage state and its
@@ -57,7 +57,7 @@ def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, mon
 
   monkeypatch.setattr(aot_compile, "compiled_program", no_compile)
   again = compose.project(toy, "h100", 64)
-  assert again["pieces_cached"] is True
+  assert again["composition"]["cached"] is True
   assert again["step_time_s"] == composed["step_time_s"]  # same pieces, same arithmetic
 
 

@@ -16,7 +16,8 @@ import pytest
 
 import experiments
 from errors import UserInputError
-from projection import project
+from parallelism.mesh import MeshConfig
+from projection import compose, project
 from records import points
 from report import export, plots, results, sweep_report
 from sweep import runner
@@ -93,6 +94,33 @@ def test_interrupted_sweep_resumes_with_the_missing_points_only(swept, tmp_path,
   assert runner.point_key(other, SWEEP, runner.points(SWEEP, "cpu")[0]) not in {
     r["sweep_key"] for r in results.read(str(tmp_path))
   }
+
+
+def test_1f1b_points_are_composed_unless_full_compile(swept, tmp_path, monkeypatch):
+  # Which projection a point runs, not its numbers (tests/test_compose.py checks those).
+  exp, _, records = swept
+  pipelined = dataclasses.replace(
+    exp,
+    mesh=MeshConfig(data=-1, pipeline=2),
+    train=dataclasses.replace(exp.train, pipeline_schedule="1f1b"),
+  )
+  done = next(r for r in records if r["status"] == "ok")
+  calls = []
+
+  def stub(name):
+    return lambda exp, hw, gpus: calls.append((name, gpus)) or dict(done, devices=gpus)
+
+  monkeypatch.setattr(compose, "project", stub("composed"))
+  monkeypatch.setattr(project, "project", stub("full"))
+  one = Sweep(mode="project", counts=(8,), hardware=("h100",), scalings=("strong",))
+  runner.run(pipelined, one, str(tmp_path), platform="cpu")
+  runner.run(exp, one, str(tmp_path / "gpipe"), platform="cpu")  # no pipeline: full
+  assert calls == [("composed", 8), ("full", 8)]
+  # A full compile is its own point: the composed record does not stand in for it.
+  runner.run(pipelined, one, str(tmp_path), platform="cpu", full_compile=True)
+  assert calls[2:] == [("full", 8)]
+  keys = [r["sweep_key"] for r in results.read(str(tmp_path))]
+  assert len(keys) == 2 and keys[1] == keys[0] + "/full"
 
 
 def test_a_results_file_with_the_old_duplicate_keys_still_resumes(swept, tmp_path, monkeypatch):
