@@ -53,7 +53,6 @@ from projection import (
 )
 from projection import project as full
 
-GB = 1e9
 # The cached pieces' layout (Piece): a change of it makes new keys.
 _FORMAT = 2
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
@@ -288,11 +287,7 @@ def project(exp, hw_name: str, gpus: int) -> dict:
   records.points.ProjectedPoint as projection/project.py's `record` assembles it, with
   `composition` (the pieces' shapes, layers per chunk, whether they were cached)."""
   hw = full.hardware(hw_name, gpus)
-  return project_on(exp, hw, full.plan(exp, hw, gpus))
-
-
-def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
-  """`project` on a planned layout (the search's projector)."""
+  reduced = full.plan(exp, hw, gpus)
   _check(exp, reduced)
   target = reduced.target
   stages = target.sizes["pipeline"]
@@ -332,7 +327,6 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
       {a: composed(lambda p, a=a: by_axis[id(p)].get(a, 0.0)) for a in axes},
     )
 
-  data_growth = target.sizes["data"] / reduced.sizes["data"]
   memory = _extrapolate([p.memory_per_device_bytes for p in found], shapes, virtual, groups)
   split_state = _extrapolate([p.data_sharded_state_bytes for p in found], shapes, virtual, groups)
   compiled = full.Compiled(
@@ -341,7 +335,7 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
     0.0 if cached else sum(p.compile_s for p in found),
     composed(hlo.total_flops),
     composed(hlo.dot_flops),
-    (memory - split_state * (1 - 1 / data_growth)) / GB,
+    full.target_memory_gb(memory, split_state, reduced),
     hlo.uses_fp8(found[0].program),
     hlo.uses_fp4(found[0].program),
   )

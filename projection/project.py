@@ -87,10 +87,7 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   program = step_loops.with_micro_batches(
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual
   )
-  data_growth = target.sizes["data"] / reduced.sizes["data"]
-  memory_gb = (
-    step.memory_per_device_bytes - step.data_sharded_state_bytes * (1 - 1 / data_growth)
-  ) / GB
+  memory_gb = target_memory_gb(step.memory_per_device_bytes, step.data_sharded_state_bytes, reduced)
 
   def timing() -> Timing:
     return Timing(
@@ -110,6 +107,15 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
     hlo.uses_fp4(program),
   )
   return record(exp, hw, reduced, compiled, timing)
+
+
+def target_memory_gb(
+  compiled_bytes: float, data_sharded_bytes: float, reduced: layout.ReducedMesh
+) -> float:
+  """A device's memory on the target from the reduced mesh's: the state split over `data`
+  shrinks as the target's data axis is larger."""
+  data_growth = reduced.target.sizes["data"] / reduced.sizes["data"]
+  return (compiled_bytes - data_sharded_bytes * (1 - 1 / data_growth)) / GB
 
 
 @dataclasses.dataclass(frozen=True)
