@@ -60,14 +60,18 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs", "Where results.jsonl is 
 _HARDWARE = flags.DEFINE_list(
   "hardware",
   ["h100"],
-  f"project: hardware names ({', '.join(catalog.names())}, host), comma-separated.",
+  f"project, search: hardware names ({', '.join(catalog.names())}, host), comma-separated; "
+  "sweep: only these of the sweep's generations.",
 )
-_GPUS = flags.DEFINE_list("gpus", ["512"], "project: GPU counts, comma-separated.")
+_GPUS = flags.DEFINE_list(
+  "gpus", ["512"], "project, search: GPU counts, comma-separated; sweep: these counts only."
+)
 _TOP = flags.DEFINE_integer("top", 5, "search: how many configurations to print.", lower_bound=1)
 _SEARCH_BUDGET = flags.DEFINE_integer(
   "search_budget",
   DEFAULT_BUDGET,
-  "search: candidates projected (compiled) at most, per hardware and GPU count.",
+  "search: candidates projected (compiled) at most, per hardware and GPU count; sweep: "
+  "every point at the best of a search this size (strong and configured series).",
   lower_bound=1,
 )
 _FULL_COMPILE = flags.DEFINE_bool(
@@ -120,16 +124,22 @@ def main(argv: list[str]) -> None:
       "--coordinator_address, --num_processes, --process_id go together; "
       f"got only --{', --'.join(distributed)}"
     )
+  # A sweep runs its own points, each as configured, unless these are given.
+  in_sweep = _MODE.value == "sweep"
+
+  def given(flag, unset):
+    return unset if in_sweep and not flag.present else flag.value
+
   options = Options(
     experiment=_EXPERIMENT.value,
     mode=_MODE.value,
     steps=_STEPS.value,
     devices=_DEVICES.value,
     output_dir=_OUTPUT_DIR.value,
-    hardware=tuple(_HARDWARE.value),
-    gpus=tuple(_GPUS.value),
+    hardware=tuple(given(_HARDWARE, [])),
+    gpus=tuple(given(_GPUS, [])),
     top=_TOP.value,
-    search_budget=_SEARCH_BUDGET.value,
+    search_budget=given(_SEARCH_BUDGET, 0),
     full_compile=_FULL_COMPILE.value,
     profile_steps=_PROFILE_STEPS.value,
     checkpoint_dir=_CHECKPOINT_DIR.value,

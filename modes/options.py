@@ -22,10 +22,11 @@ class Options:
   steps: int | None = None
   devices: int | None = None
   output_dir: str = "runs"
+  # Sweep mode: () unless given (the sweep's own points; launch.py).
   hardware: tuple[str, ...] = ("h100",)
   gpus: tuple[str, ...] = ("512",)  # as given: checked by projection_points
   top: int = 5
-  search_budget: int = 0
+  search_budget: int = 0  # sweep mode: 0 unless given (each point as configured)
   full_compile: bool = False
   profile_steps: str | None = None
   checkpoint_dir: str | None = None
@@ -82,20 +83,30 @@ def check_paths(options: Options) -> None:
     )
 
 
-def projection_points(options: Options, check_plan: bool = True) -> list[tuple[str, int]]:
-  """Every (hardware, gpus) point, all checked before the first compile (with
-  `check_plan`, the experiment's own layout on each)."""
+def gpu_counts(options: Options) -> tuple[int, ...]:
+  """--gpus as whole numbers."""
   counts = []
-  if not options.gpus or not options.hardware:
-    raise UserInputError(
-      f"--{'gpus' if not options.gpus else 'hardware'}: empty; give at least one, comma-separated"
-    )
   for text in options.gpus:
     count = platform_env.whole_number(text.strip())
     if count is None or count < 1:
       raise UserInputError(f"--gpus takes positive whole numbers, got {text!r}")
     counts.append(count)
-  points = [(name.strip().lower(), gpus) for name in options.hardware for gpus in counts]
+  return tuple(counts)
+
+
+def hardware_names(options: Options) -> tuple[str, ...]:
+  """--hardware as catalog names."""
+  return tuple(name.strip().lower() for name in options.hardware)
+
+
+def projection_points(options: Options, check_plan: bool = True) -> list[tuple[str, int]]:
+  """Every (hardware, gpus) point, all checked before the first compile (with
+  `check_plan`, the experiment's own layout on each)."""
+  if not options.gpus or not options.hardware:
+    raise UserInputError(
+      f"--{'gpus' if not options.gpus else 'hardware'}: empty; give at least one, comma-separated"
+    )
+  points = [(name, gpus) for name in hardware_names(options) for gpus in gpu_counts(options)]
   for name, gpus in points:
     hw = project.hardware(name, gpus)
     if check_plan:

@@ -4,14 +4,20 @@ import sys
 
 import jax
 
-from modes.options import Options, experiment, point_options
+from modes.options import Options, experiment, gpu_counts, hardware_names, point_options
 from sweep import definitions, runner, summary
 
 
 def run(options: Options) -> list[dict]:
-  """Run the points not yet in --output_dir, print the table and write the report; exit 1
-  when a point failed (a bug, not bad input: the reasons are in results.jsonl)."""
-  definition = definitions.get(options.experiment)
+  """Run the points not yet in --output_dir (those of --hardware and --gpus when given;
+  each at the best of a search of --search_budget projections when given), print the
+  table and write the report; exit 1 when a point failed (a bug, not bad input: the
+  reasons are in results.jsonl)."""
+  definition = definitions.restricted(
+    definitions.get(options.experiment), hardware_names(options), gpu_counts(options)
+  )
+  if options.search_budget:
+    definition = definitions.searched(definition, options.search_budget)
   exp = experiment(options, definition.mode, definition.overrides)
   records = runner.run(
     exp,

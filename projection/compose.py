@@ -53,6 +53,13 @@ from projection import (
 )
 from projection import project as full
 
+# Near HBM capacity XLA's scheduler overlaps less in the whole step than in its pieces,
+# and the composition reads low: memory up to 20.9% under the full compile's
+# (benchmarks/compose_check.py's random check, docs/validation.md), step time up to 2x
+# (GPT-3 175B, H100 512, TP 4 PP 16 VS 6 mb 2 remat none: 16.8 s and 74 GB composed,
+# 23.1 s and 84.8 GB whole). So a composed point whose memory is over this share of the
+# capacity (1 - 0.209) is compiled whole where a sweep or a search uses it.
+NEAR_CAPACITY = 0.79
 # The cached pieces' layout (Piece): a change of it makes new keys.
 _FORMAT = 2
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
@@ -106,15 +113,51 @@ def layers_per_chunk(exp, stages: int) -> int:
   return exp.model.num_layers // (stages * exp.train.virtual_stages)
 
 
-def composes(exp) -> bool:
-  """Whether `exp`'s step is one this module composes: a 1f1b pipeline."""
-  return exp.mesh.pipeline > 1 and exp.train.pipeline_schedule == "1f1b"
+def composes(exp, reduced: layout.ReducedMesh) -> bool:
+  """Whether `exp`'s step on `reduced` is one this module composes: a 1f1b pipeline of
+  whole chunks (an uneven split's padded stages are not)."""
+  stages = reduced.sizes.get("pipeline", 1)
+  return (
+    stages > 1
+    and exp.train.pipeline_schedule == "1f1b"
+    and exp.model.num_layers % (stages * exp.train.virtual_stages) == 0
+  )
+
+
+def _near_capacity(record: dict) -> bool:
+  return record["memory_per_gpu_gb"] > NEAR_CAPACITY * record["hbm_capacity_gb"]
+
+
+def _compiled_whole(composed: dict, whole: dict) -> dict:
+  """The full compile's record, with what the composition had said."""
+  whole["composed_estimate"] = {
+    "step_time_s": composed.get("step_time_s"),
+    "memory_per_gpu_gb": composed["memory_per_gpu_gb"],
+    "why_compiled_whole": f"composed memory over {NEAR_CAPACITY:.0%} of HBM capacity",
+  }
+  return whole
 
 
 def project_any(exp, hw_name: str, gpus: int) -> dict:
-  """Composed where `exp` composes, else the full compile (projection/project.py): what
-  sweeps run by default."""
-  return (project if composes(exp) else full.project)(exp, hw_name, gpus)
+  """Composed where `exp` composes and is clear of HBM capacity (NEAR_CAPACITY), else the
+  full compile (projection/project.py): what sweeps run by default."""
+  hw = full.hardware(hw_name, gpus)
+  if not composes(exp, full.plan(exp, hw, gpus)):
+    return full.project(exp, hw_name, gpus)
+  record = project(exp, hw_name, gpus)
+  if _near_capacity(record):
+    return _compiled_whole(record, full.project(exp, hw_name, gpus))
+  return record
+
+
+def project_any_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
+  """`project_any` on a planned target: the search's projector in sweeps."""
+  if not composes(exp, reduced):
+    return full.project_on(exp, hw, reduced)
+  record = project_on(exp, hw, reduced)
+  if _near_capacity(record):
+    return _compiled_whole(record, full.project_on(exp, hw, reduced))
+  return record
 
 
 def _check(exp, reduced: layout.ReducedMesh) -> None:
@@ -287,7 +330,11 @@ def project(exp, hw_name: str, gpus: int) -> dict:
   records.points.ProjectedPoint as projection/project.py's `record` assembles it, with
   `composition` (the pieces' shapes, layers per chunk, whether they were cached)."""
   hw = full.hardware(hw_name, gpus)
-  reduced = full.plan(exp, hw, gpus)
+  return project_on(exp, hw, full.plan(exp, hw, gpus))
+
+
+def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
+  """`project` on a planned target (`reduced`, projection/project.py's plan)."""
   _check(exp, reduced)
   target = reduced.target
   stages = target.sizes["pipeline"]

@@ -23,7 +23,9 @@ For one experiment on N GPUs of one generation:
 3. Order the rest by a cheap analytic prior (`Prior`): first those estimated to fit,
    then by estimated step time.
 4. Project candidates in that order (`project.project_on`, whose compiles are cached)
-   until `budget` compiles are spent. The best are the fastest projected ones that fit.
+   until `budget` compiles are spent, after a configuration the caller includes (a
+   best-configuration sweep: the point's own). The best are the fastest projected ones
+   that fit.
 
 The prior only orders; every reported number is a projection.
 """
@@ -166,6 +168,22 @@ class Result:
     if fitting:
       return fitting[:top]
     return sorted(self.records, key=lambda r: r["over_capacity_gb"])[:top]
+
+
+def candidate_of(exp) -> Candidate:
+  """`exp`'s own configuration as a candidate of the space (it may not be a valid one)."""
+  stages = exp.mesh.pipeline
+  one_f_one_b = stages > 1 and exp.train.pipeline_schedule == "1f1b"
+  return Candidate(
+    exp.mesh.tensor,
+    stages,
+    exp.train.virtual_stages if stages > 1 else 1,
+    exp.train.micro_batch,
+    exp.model.remat,
+    exp.train.pipeline_passes if stages > 1 and not one_f_one_b else 1,
+    one_f_one_b=one_f_one_b,
+    context_parallel=exp.mesh.context,
+  )
 
 
 def _divisors(n: int) -> list[int]:
@@ -366,10 +384,12 @@ def search(
   projector: Projector = project.project_on,
   progress: Callable[[int, int, Candidate], None] | None = None,
   on_record: Callable[[dict], None] | None = None,
+  include: Candidate | None = None,
 ) -> Result:
   """Search `exp`'s parallelism on `gpus` GPUs of `hw_name`, projecting at most `budget`
-  candidates (tests pass a `projector` that does not compile). `progress(done, to_do,
-  candidate)` is called before each projection, `on_record(record)` after it."""
+  candidates (tests pass a `projector` that does not compile), and `include` first where
+  it is valid, whatever its prior. `progress(done, to_do, candidate)` is called before
+  each projection, `on_record(record)` after it."""
   if budget < 1:
     raise UserInputError(f"--search_budget must be a positive whole number, got {budget}")
   hw = check_point(hw_name, gpus)
@@ -384,13 +404,18 @@ def search(
     )
   before = aot_compile.compile_step.cache_info().misses
   records = []
-  chosen = ranking.survivors[:budget]
-  for i, (candidate, estimate, reduced) in enumerate(chosen):
+  rank_of = {s[0]: i for i, s in enumerate(ranking.survivors)}
+  chosen = [c for c, _, _ in ranking.survivors[:budget]]
+  if include in rank_of:
+    chosen = [include] + [c for c in chosen if c != include]
+  for i, candidate in enumerate(chosen):
+    _, estimate, reduced = ranking.survivors[rank_of[candidate]]
     if progress:
       progress(i, len(chosen), candidate)
     record = projector(candidate.apply(exp), hw, reduced)
     record["search"] = {
-      "prior_rank": i,
+      "prior_rank": rank_of[candidate],
+      "included": candidate == include,
       "set": list(candidate.assignments()),
       "tensor_parallel": candidate.tensor_parallel,
       "context_parallel": candidate.context_parallel,

@@ -17,6 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from reference import mlperf_gpt3
+from report import points
 
 _COLOURS = {
   "a100": "tab:gray",
@@ -209,6 +210,8 @@ def step_breakdown(records: list[dict], path: str) -> str | None:
       bottom = [b + s for b, s in zip(bottom, share)]
     for i, r in enumerate(rs):
       ax.text(i, 101, f"{r['step_time_s']:.3g}", ha="center", va="bottom", fontsize=6, rotation=90)
+      # A searched sweep's point: the configuration it runs, up its bar.
+      ax.text(i, 2, points.configuration_text(r), ha="center", va="bottom", fontsize=5, rotation=90)
     ax.set_xticks(list(x), [f"{r['devices']:,}" for r in rs], rotation=90, fontsize=7)
     ax.set_ylim(0, 125)
     ax.set_title(name.upper(), fontsize=10)
@@ -221,7 +224,8 @@ def step_breakdown(records: list[dict], path: str) -> str | None:
   fig.legend(handles, labels, loc="lower center", ncol=len(parts), fontsize=8)
   fig.suptitle(
     _title(ok, f"step-time breakdown, {_SCALING_LABELS[scaling]}")
-    + "\nshare of each step; step time in seconds above each bar",
+    + "\nshare of each step; step time in seconds above each bar"
+    + ("; the searched configuration up each bar" if any("search" in r for r in ok) else ""),
     fontsize=10,
   )
   return _save(fig, path, bottom=0.35 / (3.6 * rows))

@@ -166,6 +166,19 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
   return "\n".join(lines)
 
 
+def configuration_text(record: dict) -> str:
+  """A searched sweep point's configuration (its `search` entry) in short, as "TP4 PP16
+  VS6 mb2 1f1b full"; "" for a point that was not searched."""
+  s = record.get("search")
+  if not s:
+    return ""
+  cp = f" CP{s['context_parallel']}" if s.get("context_parallel", 1) > 1 else ""
+  return (
+    f"TP{s['tensor_parallel']}{cp} PP{s['pipeline_parallel']} VS{s['virtual_stages']} "
+    f"mb{s['micro_batch']} {s['schedule']} {s['remat']}"
+  )
+
+
 def headline_mfu(record: dict) -> tuple[float | None, str]:
   """(MFU, its label) against the peak of the precision the matmuls run in: a program
   with NVFP4 matmuls against the FP4 peak ("fp4"), with FP8 ones against the FP8 peak

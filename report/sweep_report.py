@@ -167,16 +167,18 @@ def _fmt(value, spec: str) -> str:
 def _table(records: list[dict]) -> list[str]:
   lines = [
     "| scaling | hardware | devices | status | global batch | step s | tokens/s/device "
-    "| MFU | efficiency | time to train min | memory GB | note |",
+    "| MFU | efficiency | time to train min | memory GB "
+    "| note (a searched point: its configuration) |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in records:
+    note = (r.get("reason") or points.configuration_text(r)).replace("|", "/")
     lines.append(
       f"| {r['scaling']} | {r['hardware']} | {r['devices']:,} | {r['status']} | "
       f"{_fmt(r.get('global_batch'), ',')} | {_fmt(r.get('step_time_s'), '.4g')} | "
       f"{_fmt(r.get('tokens_per_s_per_device'), ',.1f')} | {points.mfu_text(r)} | "
       f"{_fmt(r.get('scaling_efficiency'), '.0%')} | {_fmt(r.get('time_to_train_min'), ',.1f')} "
-      f"| {_fmt(r.get('memory_per_gpu_gb'), '.1f')} | {r.get('reason', '').replace('|', '/')} |"
+      f"| {_fmt(r.get('memory_per_gpu_gb'), '.1f')} | {note} |"
     )
   return lines
 

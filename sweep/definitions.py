@@ -45,6 +45,15 @@ class Sweep:
   # `time_to_train_min` (experiments that define a target) keep theirs.
   token_budget: int = 0
   token_budget_label: str = ""  # for plot titles and records
+  # Above 0 (`searched`): every point runs the best configuration a search
+  # (projection/search.py) finds for its generation and GPU count, projecting at most this
+  # many candidates; the record carries the choice (`search`). Strong or configured
+  # scaling only: a weak point's batch would depend on the configuration chosen.
+  search_budget: int = 0
+
+  def __post_init__(self):
+    if self.search_budget and (self.mode != "project" or "weak" in self.scalings):
+      raise ValueError("a searched sweep projects, with strong or configured scaling only")
 
 
 _GPT3 = Sweep(
@@ -88,6 +97,39 @@ SWEEPS = {
   "tiny": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=5")),
   "cpu_char": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=3")),
 }
+
+
+def searched(sweep: Sweep, budget: int) -> Sweep:
+  """`sweep` with every point at the best configuration a search of `budget` projections
+  finds (`--search_budget` in sweep mode); its weak series dropped (Sweep.search_budget)."""
+  if sweep.mode != "project":
+    raise UserInputError(
+      "--search_budget: a measured sweep runs on this machine's devices; only projected "
+      "sweeps search their points"
+    )
+  scalings = tuple(s for s in sweep.scalings if s != "weak")
+  return dataclasses.replace(sweep, scalings=scalings, search_budget=budget)
+
+
+def restricted(sweep: Sweep, hardware: tuple[str, ...], counts: tuple[int, ...]) -> Sweep:
+  """`sweep` on these generations and GPU counts only (`--hardware`, `--gpus` in sweep
+  mode; () keeps the sweep's own). Their points keep their keys, so a restricted run and
+  a whole one resume each other in one directory."""
+  if not (hardware or counts):
+    return sweep
+  if sweep.mode != "project":
+    raise UserInputError(
+      "--hardware/--gpus: a measured sweep runs on this machine's devices; only projected "
+      "sweeps take them"
+    )
+  for name in hardware:
+    if name not in sweep.hardware:
+      raise UserInputError(
+        f"--hardware: {name!r} is not one of this sweep's generations ({', '.join(sweep.hardware)})"
+      )
+  return dataclasses.replace(
+    sweep, hardware=hardware or sweep.hardware, counts=counts or sweep.counts
+  )
 
 
 def get(name: str) -> Sweep:

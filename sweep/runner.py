@@ -21,7 +21,7 @@ from errors import UserInputError
 from measure import fit
 from measure.point import PointOptions, run_point
 from parallelism import mesh as mesh_lib
-from projection import compose, layout, project
+from projection import compose, layout, project, search
 from records.points import to_json
 from report import results
 from sweep import metrics
@@ -52,10 +52,12 @@ def points(sweep: Sweep, platform: str) -> list[Point]:
 
 def point_key(exp, sweep: Sweep, point: Point, full_compile: bool = False) -> str:
   """`full_compile` points get keys of their own: composed records do not stand in for
-  them (a full compile's record stands in for a composed one, its reference)."""
+  them (a full compile's record stands in for a composed one, its reference); so do a
+  searched sweep's, by its budget."""
+  searched = f"/best-of-{sweep.search_budget}" if sweep.search_budget else ""
   return (
     f"{exp.name}/{sweep.mode}/{point.scaling}/{point.hardware}/{point.devices}/"
-    f"{config_fingerprint(exp)}{'/full' if full_compile else ''}"
+    f"{config_fingerprint(exp)}{searched}{'/full' if full_compile else ''}"
   )
 
 
@@ -93,6 +95,35 @@ def _measure(exp, devices: int, options: PointOptions) -> dict:
   return dict(to_json(measured))
 
 
+def _best_of_search(exp, sweep: Sweep, point: Point, full_compile: bool) -> dict:
+  """The projection of the best configuration at `point` (the least over capacity if none
+  fits) of `exp`'s own and the search's first `sweep.search_budget`; its `search` entry
+  says which it is, and `projected` what else was projected and how fast."""
+  found = search.search(
+    exp,
+    point.hardware,
+    point.devices,
+    sweep.search_budget,
+    projector=project.project_on if full_compile else compose.project_any_on,
+    include=search.candidate_of(exp),
+  )
+  record = dict(found.best(1)[0])
+  record["search"] = {
+    **record["search"],
+    "projected": [
+      {
+        "set": r["search"]["set"],
+        "included": r["search"]["included"],
+        "fits": r["fits"],
+        "step_time_s": r.get("step_time_s"),
+        "memory_per_gpu_gb": r["memory_per_gpu_gb"],
+      }
+      for r in found.records
+    ],
+  }
+  return record
+
+
 def _run_point(
   base,
   at_target: AtTarget,
@@ -103,7 +134,9 @@ def _run_point(
 ) -> dict:
   try:
     point_exp = point_experiment(base, at_target(point.hardware, point.devices), sweep, point)
-    if sweep.mode == "project":
+    if sweep.mode == "project" and sweep.search_budget:
+      record = _best_of_search(point_exp, sweep, point, full_compile)
+    elif sweep.mode == "project":
       projector = project.project if full_compile else compose.project_any
       record = projector(point_exp, point.hardware, point.devices)
     else:
@@ -149,7 +182,8 @@ def run(
   the experiment as n devices of that hardware run it (default: `exp` everywhere); a
   measured point runs with `options` (default: TensorBoard scalars in `output_dir`). A
   projected 1f1b point is composed from cached pieces (projection/compose.py) unless
-  `full_compile`.
+  `full_compile`; a searched sweep's point is the best its search projects (each
+  candidate projected the same way).
   """
   at_target = at_target or (lambda _hardware, _devices: exp)
   options = options or PointOptions(output_dir=output_dir)

@@ -10,7 +10,7 @@ def _row(r: dict) -> tuple:
   def num(key: str, spec: str) -> str:
     return "" if r.get(key) is None else format(r[key], spec)
 
-  note = r.get("reason", "")
+  note = r.get("reason") or points.configuration_text(r)
   return (
     r["scaling"],
     r["hardware"],
@@ -55,7 +55,7 @@ def finish(records: list[dict], output_dir: str) -> None:
     "efficiency",
     "train min",
     "memory GB",
-    "note",
+    "note (a searched point: its configuration)",
   )
   print(table.columns(headers, [_row(r) for r in records]))
   print(f"\n{sweep_report.findings(records)}\n")

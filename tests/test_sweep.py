@@ -20,7 +20,8 @@ from parallelism.mesh import MeshConfig
 from projection import compose, project
 from records import points
 from report import export, plots, results, sweep_report
-from sweep import runner
+from report import points as printers
+from sweep import definitions, runner
 from sweep.definitions import Sweep
 from train import hooks
 
@@ -101,6 +102,7 @@ def test_1f1b_points_are_composed_unless_full_compile(swept, tmp_path, monkeypat
   exp, _, records = swept
   pipelined = dataclasses.replace(
     exp,
+    model=dataclasses.replace(exp.model, num_layers=2),  # whole chunks: one a stage
     mesh=MeshConfig(data=-1, pipeline=2),
     train=dataclasses.replace(exp.train, pipeline_schedule="1f1b"),
   )
@@ -115,12 +117,89 @@ def test_1f1b_points_are_composed_unless_full_compile(swept, tmp_path, monkeypat
   one = Sweep(mode="project", counts=(8,), hardware=("h100",), scalings=("strong",))
   runner.run(pipelined, one, str(tmp_path), platform="cpu")
   runner.run(exp, one, str(tmp_path / "gpipe"), platform="cpu")  # no pipeline: full
-  assert calls == [("composed", 8), ("full", 8)]
+  # 1 layer over 2 stages is not whole chunks: not composed.
+  runner.run(dataclasses.replace(pipelined, model=exp.model), one, str(tmp_path / "uneven"), "cpu")
+  assert calls == [("composed", 8), ("full", 8), ("full", 8)]
   # A full compile is its own point: the composed record does not stand in for it.
   runner.run(pipelined, one, str(tmp_path), platform="cpu", full_compile=True)
-  assert calls[2:] == [("full", 8)]
+  assert calls[3:] == [("full", 8)]
   keys = [r["sweep_key"] for r in results.read(str(tmp_path))]
   assert len(keys) == 2 and keys[1] == keys[0] + "/full"
+
+
+def test_a_composed_point_near_hbm_capacity_is_compiled_whole(swept, monkeypatch):
+  exp, _, records = swept
+  pipelined = dataclasses.replace(
+    exp,
+    model=dataclasses.replace(exp.model, num_layers=2),
+    mesh=MeshConfig(data=-1, pipeline=2),
+    train=dataclasses.replace(exp.train, pipeline_schedule="1f1b"),
+  )
+  done = next(r for r in records if r["status"] == "ok")
+  capacity = done["hbm_capacity_gb"]
+  for share, whole in ((compose.NEAR_CAPACITY - 0.01, False), (compose.NEAR_CAPACITY + 0.01, True)):
+    monkeypatch.setattr(
+      compose, "project", lambda *a, s=share: dict(done, memory_per_gpu_gb=s * capacity)
+    )
+    monkeypatch.setattr(project, "project", lambda *a: dict(done, memory_per_gpu_gb=capacity))
+    record = compose.project_any(pipelined, "h100", 8)
+    assert ("composed_estimate" in record) == whole
+    assert record["memory_per_gpu_gb"] == (capacity if whole else share * capacity)
+
+
+def test_a_searched_sweep_runs_each_point_at_its_searchs_best(swept, tmp_path, monkeypatch):
+  # Which configuration a point keeps, not its numbers: the projector is a stand-in whose
+  # made-up step time orders the candidates otherwise than the search's prior does.
+  exp, _, records = swept
+  done = next(r for r in records if r["status"] == "ok")
+  calls = []
+
+  def stub(name):
+    def projector(exp, hw, reduced):
+      step_s = 1.0 + exp.mesh.tensor + 0.1 * exp.train.micro_batch
+      calls.append((name, reduced.target.devices, step_s))
+      return dict(done, fits=True, devices=reduced.target.devices, step_time_s=step_s)
+
+    return projector
+
+  monkeypatch.setattr(compose, "project_any_on", stub("composed"))
+  monkeypatch.setattr(project, "project_on", stub("full"))
+  searched = definitions.searched(dataclasses.replace(SWEEP, counts=(8, 16)), 3)
+  assert searched.scalings == ("strong",)  # a weak batch would depend on the choice
+  got = runner.run(exp, searched, str(tmp_path), platform="cpu")
+  first = len(calls)
+  assert first in (6, 8) and {c[0] for c in calls} == {"composed"}
+  for r in got:
+    # The point's own configuration (tensor 2 on 8 GPUs) and the prior's first 3.
+    assert r["status"] == "ok" and len(r["search"]["projected"]) in (3, 4)
+    assert r["search"]["projected"][0]["included"]
+    assert r["search"]["projected"][0]["set"][0] == f"tensor_parallel={exp.mesh.tensor}"
+    assert r["sweep_key"].endswith("/best-of-3")
+    assert r["step_time_s"] == min(t for _, n, t in calls if n == r["devices"])
+    assert printers.configuration_text(r).startswith(f"TP{r['search']['tensor_parallel']} ")
+  assert printers.configuration_text(got[0]) in "\n".join(sweep_report._table(got))
+  assert plots.step_breakdown(got, str(tmp_path / "breakdown.png"))
+  runner.run(exp, searched, str(tmp_path), platform="cpu", full_compile=True)
+  assert [c[0] for c in calls[first:]] == ["full"] * first
+  # A sweep of its own points, each as configured, does not take the searched records.
+  assert runner.point_key(exp, SWEEP, runner.points(SWEEP, "cpu")[0]) not in {
+    r["sweep_key"] for r in got
+  }
+
+
+def test_sweep_points_restricted_and_searched_only_where_they_apply():
+  assert definitions.restricted(SWEEP, (), ()) is SWEEP
+  some = definitions.restricted(SWEEP, ("h100",), (8,))
+  assert (some.hardware, some.counts) == (("h100",), (8,))
+  with pytest.raises(UserInputError, match="--hardware: 'gb300' is not one of this sweep"):
+    definitions.restricted(SWEEP, ("gb300",), ())
+  measured = definitions.get("tiny")
+  with pytest.raises(UserInputError, match="--hardware/--gpus: a measured sweep"):
+    definitions.restricted(measured, (), (4,))
+  with pytest.raises(UserInputError, match="--search_budget: a measured sweep"):
+    definitions.searched(measured, 2)
+  with pytest.raises(ValueError, match="strong or configured"):
+    dataclasses.replace(SWEEP, search_budget=2)
 
 
 def test_a_results_file_with_the_old_duplicate_keys_still_resumes(swept, tmp_path, monkeypatch):
