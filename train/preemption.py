@@ -75,8 +75,10 @@ class ExitOnSignal:
     self._fds = (read_fd, write_fd)
     # Python's C-level handler writes the signal number to the wakeup fd at once, even
     # while the main thread is inside C++; the Python-level handler itself does nothing.
-    self._previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in SIGNALS}
+    # The fd first: a signal between the two then meets the old handler (Ctrl-C's
+    # KeyboardInterrupt) or the fd, where the other order lost it (the run went on).
     self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    self._previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in SIGNALS}
     self._watcher = threading.Thread(target=self._watch, name="exit-on-signal", daemon=True)
     self._watcher.start()
     return self
@@ -94,9 +96,9 @@ class ExitOnSignal:
   def __exit__(self, *exc) -> None:
     if self._watcher is None:
       return
-    signal.set_wakeup_fd(self._previous_fd)
-    for sig, handler in self._previous.items():
+    for sig, handler in self._previous.items():  # the handlers first, for the same reason
       signal.signal(sig, handler)
+    signal.set_wakeup_fd(self._previous_fd)
     os.close(self._fds[1])
     self._watcher.join()
     os.close(self._fds[0])
