@@ -212,8 +212,15 @@ def test_ctrl_c_while_compiling_is_one_line_and_exit_130(tmp_path):
     if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
   }
   env["PYTHONUNBUFFERED"] = "1"
+  # Ctrl-C as a terminal delivers it: a test run started in the background (`cmd &` in a
+  # script) ignores SIGINT, a child inherits that and Python then never handles it, so
+  # a shim puts SIGINT back to its default and execs launch.py.
+  shim = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+  )
   proc = subprocess.Popen(
-    [sys.executable, "launch.py", f"--output_dir={tmp_path}", "--steps=5"],
+    [sys.executable, "-c", shim, "launch.py", f"--output_dir={tmp_path}", "--steps=5"],
     cwd=ROOT,
     env=env,
     stdout=subprocess.PIPE,
