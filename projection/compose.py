@@ -142,16 +142,11 @@ def project_any(exp, hw_name: str, gpus: int) -> dict:
   """Composed where `exp` composes and is clear of HBM capacity (NEAR_CAPACITY), else the
   full compile (projection/project.py): what sweeps run by default."""
   hw = full.hardware(hw_name, gpus)
-  if not composes(exp, full.plan(exp, hw, gpus)):
-    return full.project(exp, hw_name, gpus)
-  record = project(exp, hw_name, gpus)
-  if _near_capacity(record):
-    return _compiled_whole(record, full.project(exp, hw_name, gpus))
-  return record
+  return project_any_on(exp, hw, full.plan(exp, hw, gpus))
 
 
 def project_any_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
-  """`project_any` on a planned target: the search's projector in sweeps."""
+  """`project_any` on a planned target (also the search's projector in sweeps)."""
   if not composes(exp, reduced):
     return full.project_on(exp, hw, reduced)
   record = project_on(exp, hw, reduced)

@@ -79,8 +79,13 @@ def test_interrupted_sweep_resumes_with_the_missing_points_only(swept, tmp_path,
   lines = open(os.path.join(out, "results.jsonl")).readlines()
   (tmp_path / "results.jsonl").write_text("".join(lines[:-2]))  # as if killed 2 points early
   calls = []
-  real = project.project
-  monkeypatch.setattr(project, "project", lambda *a: calls.append(a[1:]) or real(*a))
+  real = project.project_on
+
+  def counted(exp, hw, reduced):
+    calls.append((hw.name, reduced.target.devices))
+    return real(exp, hw, reduced)
+
+  monkeypatch.setattr(project, "project_on", counted)
   again = runner.run(exp, SWEEP, str(tmp_path), platform="cpu")
   assert calls == [("h100", 8), ("h100", 16)]  # the weak series' two points
   assert len(results.read(str(tmp_path))) == 6
@@ -110,10 +115,14 @@ def test_1f1b_points_are_composed_unless_full_compile(swept, tmp_path, monkeypat
   calls = []
 
   def stub(name):
-    return lambda exp, hw, gpus: calls.append((name, gpus)) or dict(done, devices=gpus)
+    def projector(exp, hw, reduced):
+      calls.append((name, reduced.target.devices))
+      return dict(done, devices=reduced.target.devices)
 
-  monkeypatch.setattr(compose, "project", stub("composed"))
-  monkeypatch.setattr(project, "project", stub("full"))
+    return projector
+
+  monkeypatch.setattr(compose, "project_on", stub("composed"))
+  monkeypatch.setattr(project, "project_on", stub("full"))
   one = Sweep(mode="project", counts=(8,), hardware=("h100",), scalings=("strong",))
   runner.run(pipelined, one, str(tmp_path), platform="cpu")
   runner.run(exp, one, str(tmp_path / "gpipe"), platform="cpu")  # no pipeline: full
@@ -139,9 +148,9 @@ def test_a_composed_point_near_hbm_capacity_is_compiled_whole(swept, monkeypatch
   capacity = done["hbm_capacity_gb"]
   for share, whole in ((compose.NEAR_CAPACITY - 0.01, False), (compose.NEAR_CAPACITY + 0.01, True)):
     monkeypatch.setattr(
-      compose, "project", lambda *a, s=share: dict(done, memory_per_gpu_gb=s * capacity)
+      compose, "project_on", lambda *a, s=share: dict(done, memory_per_gpu_gb=s * capacity)
     )
-    monkeypatch.setattr(project, "project", lambda *a: dict(done, memory_per_gpu_gb=capacity))
+    monkeypatch.setattr(project, "project_on", lambda *a: dict(done, memory_per_gpu_gb=capacity))
     record = compose.project_any(pipelined, "h100", 8)
     assert ("composed_estimate" in record) == whole
     assert record["memory_per_gpu_gb"] == (capacity if whole else share * capacity)
@@ -215,7 +224,7 @@ def test_a_results_file_with_the_old_duplicate_keys_still_resumes(swept, tmp_pat
     lines.append(json.dumps(record) + "\n")
   (tmp_path / "results.jsonl").write_text("".join(lines))
   calls = []
-  monkeypatch.setattr(project, "project", lambda *a: calls.append(a))
+  monkeypatch.setattr(project, "project_on", lambda *a: calls.append(a))
   again = runner.run(exp, SWEEP, str(tmp_path), platform="cpu")
   assert calls == []
   assert again == results.read(out)
