@@ -91,7 +91,15 @@ _CHECKPOINT_DIR = flags.DEFINE_string(
   "Save checkpoints here and resume from the newest one (train and benchmark modes).",
 )
 _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Save every N steps.")
-_KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
+_KEEP_CHECKPOINTS = flags.DEFINE_integer(
+  "keep_checkpoints", 3, "Keep the newest N checkpoints (and the newest known good one)."
+)
+_RESUME_FROM = flags.DEFINE_integer(
+  "resume_from",
+  None,
+  "Resume from the checkpoint of this step (default: the newest not known bad); the "
+  "checkpoints after it are moved to CHECKPOINT_DIR/set_aside.",
+)
 # Read before absl parses them (platform_env.distributed_from_argv): jax joins first.
 flags.DEFINE_string("coordinator_address", None, "Multi-process: process 0's HOST:PORT.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: the number of processes.")
@@ -145,6 +153,7 @@ def main(argv: list[str]) -> None:
     checkpoint_dir=_CHECKPOINT_DIR.value,
     checkpoint_every=_CHECKPOINT_EVERY.value,
     keep_checkpoints=_KEEP_CHECKPOINTS.value,
+    resume_from=_RESUME_FROM.value,
     sets=tuple(_SET.value),
   )
   check_paths(options)

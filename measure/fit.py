@@ -14,12 +14,21 @@ from train import step as train_step
 
 
 def devices(wanted: int | None) -> list:
-  """The first `wanted` local devices (None: all)."""
-  available = jax.devices()
-  wanted = wanted or len(available)
-  if wanted > len(available):
-    raise UserInputError(f"--devices must be at most {len(available)} here, got {wanted}")
-  return available[:wanted]
+  """The first `wanted` devices of each process (None: all), process after process.
+
+  --devices counts a process's own devices, so a multi-process run uses wanted x processes
+  in all. Every process decides from the same global device list and the same flags, so
+  a count that some process lacks is refused on every process before any collective.
+  """
+  by_process: dict[int, list] = {}
+  for device in jax.devices():
+    by_process.setdefault(device.process_index, []).append(device)
+  fewest = min(len(local) for local in by_process.values())
+  wanted = wanted or fewest
+  if wanted > fewest:
+    where = "per process" if len(by_process) > 1 else "here"
+    raise UserInputError(f"--devices must be at most {fewest} {where}, got {wanted}")
+  return [d for process in sorted(by_process) for d in by_process[process][:wanted]]
 
 
 def _capacity_bytes(devices: list) -> int:

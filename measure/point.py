@@ -36,6 +36,7 @@ class PointOptions:
   checkpoint_dir: str | None = None  # save here and resume from the newest
   checkpoint_every: int = 100
   keep_checkpoints: int = 3
+  resume_from: int | None = None  # a checkpoint's step; None: the newest not known bad
   hooks: tuple = ()  # more step hooks, after TensorBoard's
   show: bool = True  # print the mesh and the pipeline schedule before compiling
 
@@ -114,7 +115,10 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
   checkpoints = None
   if options.checkpoint_dir is not None:  # before the hooks: a refused one leaves no files
     checkpoints = Checkpoints(
-      options.checkpoint_dir, options.checkpoint_every, options.keep_checkpoints
+      options.checkpoint_dir,
+      options.checkpoint_every,
+      options.keep_checkpoints,
+      options.resume_from,
     )
   hooks = list(options.hooks)
   tensorboard_dir = profile_dir = None

@@ -32,6 +32,7 @@ class Options:
   checkpoint_dir: str | None = None
   checkpoint_every: int = 100
   keep_checkpoints: int = 3
+  resume_from: int | None = None
   sets: tuple[str, ...] = ()  # --set KEY=VALUE, in order
 
 
@@ -64,6 +65,7 @@ def point_options(options: Options) -> PointOptions:
     checkpoint_dir=options.checkpoint_dir,
     checkpoint_every=options.checkpoint_every,
     keep_checkpoints=options.keep_checkpoints,
+    resume_from=options.resume_from,
   )
 
 
@@ -81,6 +83,13 @@ def check_paths(options: Options) -> None:
     raise UserInputError(
       f"--keep_checkpoints must be a positive integer, got {options.keep_checkpoints}"
     )
+  if options.resume_from is not None:
+    if options.checkpoint_dir is None or options.mode not in ("train", "benchmark"):
+      raise UserInputError("--resume_from needs --checkpoint_dir, in the train or benchmark mode")
+    if options.resume_from < 0:
+      raise UserInputError(
+        f"--resume_from must be a checkpoint's step (>= 0), got {options.resume_from}"
+      )
 
 
 def gpu_counts(options: Options) -> tuple[int, ...]:

@@ -80,7 +80,8 @@ class MeshLayout:
 
 def default_devices_per_node(num_devices: int) -> int:
   if jax.process_count() > 1:
-    return jax.local_device_count()
+    # A process is a node; each brings the same share of the devices (--devices is per process).
+    return num_devices // jax.process_count()
   if jax.default_backend() == "cpu" and num_devices > 1 and num_devices % 2 == 0:
     return num_devices // 2
   return num_devices

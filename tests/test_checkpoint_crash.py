@@ -229,3 +229,89 @@ def test_a_non_finite_checkpoint_is_refused_on_restore(exp, program, tmp_path):
 
 class _NoBatches:  # pylint: disable=too-few-public-methods
   iterator = None
+
+
+def test_a_diverging_run_keeps_the_newest_good_checkpoint_and_resumes_from_it(
+  exp, program, tmp_path
+):
+  """A learning rate of 1e30 leaves finite but ruined weights: the step run from them is
+  NaN. With one checkpoint kept, rotation alone would delete the last good state."""
+  directory = str(tmp_path)
+  loop.run(
+    program, exp.model, dataclasses.replace(exp.train, steps=3), Checkpoints(directory, 1, 1)
+  )
+  # The newest, and the newest known good: 3's own loss is not known until a step runs from it.
+  assert _steps(directory) == [2, 3]
+  good_files = _files(os.path.join(directory, "3"))
+  diverging = overrides.apply(exp, ["train.learning_rate=1e30"])
+  with pytest.raises(RunStopped, match=r"loss is nan at step (\d+)") as error:
+    loop.run(
+      small_models.train_program(diverging, 1),
+      diverging.model,
+      diverging.train,
+      Checkpoints(directory, 1, 1),
+    )
+  bad = int(str(error.value).split(" at step ")[1].split(";")[0])
+  # Step 3 trained fine (loss finite) and its update ruined the weights saved as bad.
+  assert bad == 4
+  assert _steps(directory) == [3, 4]  # the newest and, out of rotation, the newest good
+  assert "newest known good step 3" in str(error.value)
+  assert _files(os.path.join(directory, "3")) == good_files
+
+  # A rerun resumes from the good one, setting the bad one aside (not deleting it).
+  resumed = Checkpoints(directory, 1, 1)
+  assert resumed.resume_step == 3
+  resumed.close()
+  assert _steps(directory) == [3]
+  assert _steps(os.path.join(directory, checkpoint.SET_ASIDE, "1")) == [4]
+  result = loop.run(program, exp.model, exp.train, Checkpoints(directory, 1, 1))
+  assert result.first_step == 3
+  # The resumed run is the uninterrupted one: same program, same restored state.
+  assert _bitwise_equal(result.final_state, _reference_state(exp, program, tmp_path))
+
+
+def _reference_state(exp, program, tmp_path):
+  return loop.run(
+    program, exp.model, exp.train, Checkpoints(str(tmp_path / "ref"), 1, 1)
+  ).final_state
+
+
+def test_resume_from_chooses_a_checkpoint_and_an_unknown_one_is_refused(exp, program, tmp_path):
+  directory = str(tmp_path)
+  loop.run(
+    program, exp.model, dataclasses.replace(exp.train, steps=3), Checkpoints(directory, 1, 3)
+  )
+  with pytest.raises(checkpoint.UserInputError, match="no checkpoint of step 7 .* it has: 1, 2, 3"):
+    Checkpoints(directory, 1, 3, resume_from=7)
+  assert _steps(directory) == [1, 2, 3]  # nothing moved by a refused choice
+  chosen = Checkpoints(directory, 1, 3, resume_from=2)
+  state = chosen.restore_latest(program.abstract_state, _NoBatches())
+  chosen.close()
+  assert int(state.step) == 2
+  assert _steps(directory) == [1, 2]
+
+
+@pytest.mark.parametrize(
+  "losses, resume_from, expected",
+  [
+    ({}, None, 5),  # no record: the newest, as checkpoints without one always were
+    ({4: {"loss": 2.0, "good": True}, 5: {"loss": float("nan"), "good": False}}, None, 4),
+    ({3: {"loss": 2.0, "good": True}, 4: {"loss": 9e9, "good": False}}, None, 5),
+    ({5: {"loss": float("nan"), "good": False}}, 5, 5),  # asked for: taken as asked
+  ],
+)
+def test_the_resume_step_is_the_newest_not_known_bad(losses, resume_from, expected):
+  assert checkpoint.choose_resume_step([3, 4, 5], losses, resume_from)[0] == expected
+
+
+def test_every_checkpoint_known_bad_is_refused():
+  bad = {s: {"loss": float("inf"), "good": False} for s in (1, 2)}
+  with pytest.raises(checkpoint.UserInputError, match="--resume_from=STEP"):
+    checkpoint.choose_resume_step([1, 2], bad, None)
+
+
+def test_a_loss_jump_beyond_the_factor_stops_only_when_asked():
+  assert loop._loss_problem(50.0, 5.0, 0.0) == ""  # pylint: disable=protected-access
+  assert loop._loss_problem(50.0, 5.0, 20.0) == ""  # pylint: disable=protected-access
+  assert "jumped" in loop._loss_problem(50.0, 5.0, 5.0)  # pylint: disable=protected-access
+  assert "nan" in loop._loss_problem(float("nan"), 5.0, 0.0)  # pylint: disable=protected-access

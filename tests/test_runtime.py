@@ -233,6 +233,29 @@ def test_two_processes_match_one_and_survive_a_kill(corpus, reference, tmp_path)
   )
 
 
+def test_devices_counts_each_processs_own_devices(corpus, reference, tmp_path):
+  """--devices=2 on 2 processes of 4 devices each: 2 nodes x 2 devices, the same losses
+  as one process; a count a process lacks is refused on both, before any collective."""
+  _, ref_record = reference
+  out = str(tmp_path / "out")
+  args = [a for a in _args(corpus, str(tmp_path / "ckpt"), out) if "checkpoint" not in a]
+  procs = _two_processes([*args, "--devices=2"], _free_port())
+  for p in procs:
+    code, _, err = _finish(p)
+    assert code == 0, err[-3000:]
+  record = _record(out)
+  assert record["devices"] == 4 and record["nodes"] == 2
+  # Other device counts and gloo sum in other orders: last-bit differences, far below 1e-5.
+  np.testing.assert_allclose(record["losses"], ref_record["losses"], rtol=1e-5)
+
+  procs = _two_processes([*args, "--devices=5"], _free_port())
+  for p in procs:
+    code, _, err = _finish(p, timeout=120)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == "error: --devices must be at most 4 per process, got 5"
+    assert "Traceback" not in err
+
+
 def _copy_step(src: str, step: int, dst) -> str:
   shutil.copytree(os.path.join(src, str(step)), dst / str(step))
   return str(dst)

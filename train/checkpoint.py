@@ -17,8 +17,16 @@ Orbax's own clean-up of temporary directories runs in the background, racing the
 save of the resumed run, which may write the same step's temporary directory; so they
 are removed here, before the manager starts, and a manifest is written only for a step
 whose directory has its final name. A state with a non-finite parameter or optimizer
-moment is never saved (`NonFiniteState`), so rotation only ever removes a good checkpoint
-to make room for a newer good one, and a restored state is checked the same way.
+moment is never saved (`NonFiniteState`), and a restored state is checked the same way.
+
+A state can be finite and still ruined (a learning rate of 1e30): only the loss of the
+step run from it tells. So the loss of the step that ran from each checkpoint is kept in
+`step_losses.json` beside them, with whether it was good (finite, and no jump beyond
+train.loss_jump_factor). Rotation keeps the newest `keep` checkpoints and, out of
+rotation, the newest good one, so a diverging run cannot rotate out the last state known
+to train. A resume starts from the newest checkpoint not known bad, or the one
+--resume_from names; the checkpoints after it are moved into `set_aside/` (never
+deleted), so the resumed run can save its own steps under those numbers.
 """
 
 import hashlib
@@ -40,6 +48,9 @@ from errors import UserInputError
 from train.input_pipeline import BatchSource
 from train.step import TrainState
 
+# {step: {"loss": the loss of the step run from that checkpoint, "good": bool}}
+STEP_LOSSES = "step_losses.json"
+SET_ASIDE = "set_aside"  # checkpoints after the one resumed from
 MANIFEST = "manifest.sha256.json"
 PARTIAL_MANIFEST = f"{MANIFEST}.partial"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's atomicity_types.TMP_DIR_SUFFIX
@@ -129,21 +140,91 @@ def check_directory(directory: str) -> None:
     raise UserInputError(f"--checkpoint_dir {path}: nothing can be created in {existing}")
 
 
-class Checkpoints:
-  """Save every `every_steps` steps, keep the newest `keep`, resume from the newest."""
+def finished_steps(directory: pathlib.Path) -> list[int]:
+  """Steps whose directory has its final name (orbax renames it when the save is done)."""
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
-  def __init__(self, directory: str, every_steps: int, keep: int):
+
+def read_step_losses(directory: pathlib.Path) -> dict[int, dict]:
+  """The recorded loss of the step run from each checkpoint ({} when none or unreadable:
+  every checkpoint is then of unknown health, and the newest is resumed as before)."""
+  try:
+    return {int(k): v for k, v in json.loads((directory / STEP_LOSSES).read_text()).items()}
+  except (OSError, ValueError, AttributeError):
+    return {}
+
+
+def choose_resume_step(
+  steps: list[int], losses: dict[int, dict], resume_from: int | None
+) -> tuple[int | None, str]:
+  """The checkpoint to resume from and a note for the user ("" when it is simply the newest).
+
+  Without --resume_from: the newest checkpoint not known bad. A known-bad one is a step
+  whose loss, run from it, was not finite or jumped.
+  """
+  listed = ", ".join(str(s) for s in steps) or "none"
+  if resume_from is not None:
+    if resume_from not in steps:
+      raise UserInputError(
+        f"--resume_from: no checkpoint of step {resume_from} in the checkpoint directory; "
+        f"it has: {listed}"
+      )
+    health = losses.get(resume_from)
+    said = "" if health is None else f" (the step run from it had loss {health['loss']})"
+    return resume_from, f"resuming from checkpoint {resume_from}, as --resume_from asks{said}"
+  if not steps:
+    return None, ""
+  good = [s for s in steps if losses.get(s, {}).get("good", True)]
+  if not good:
+    raise UserInputError(
+      f"--checkpoint_dir: every checkpoint ({listed}) was followed by a non-finite or "
+      f"jumping loss; choose one with --resume_from=STEP, or move them away to start anew"
+    )
+  if good[-1] == steps[-1]:
+    return steps[-1], ""
+  bad = [s for s in steps if s > good[-1]]
+  losses_text = ", ".join(f"step {s}: {losses[s]['loss']}" for s in bad)
+  return good[-1], (
+    f"resuming from checkpoint {good[-1]}, the newest whose loss was good; the steps run "
+    f"from the newer ones diverged ({losses_text})"
+  )
+
+
+class Checkpoints:
+  """Save every `every_steps` steps, keep the newest `keep` and the newest known good one,
+  resume from the newest not known bad (or `resume_from`)."""
+
+  def __init__(self, directory: str, every_steps: int, keep: int, resume_from: int | None = None):
     if every_steps < 1:
       raise UserInputError(f"--checkpoint_every must be a positive integer, got {every_steps}")
     if keep < 1:
       raise UserInputError(f"--keep_checkpoints must be a positive integer, got {keep}")
     self.directory = pathlib.Path(os.path.abspath(directory))
+    self._keep = keep
     # Checked here: orbax would fail on it in a background thread, with a traceback.
     check_directory(directory)
     if jax.process_index() == 0:
       remove_leftovers(self.directory)
     if jax.process_count() > 1:  # no process may list the directory before it is clean
       multihost_utils.sync_global_devices("checkpoint leftovers removed")
+    self._losses = read_step_losses(self.directory)
+    steps = finished_steps(self.directory)
+    self.resume_step, note = choose_resume_step(steps, self._losses, resume_from)
+    later = [s for s in steps if self.resume_step is not None and s > self.resume_step]
+    if jax.process_count() > 1:  # every process has decided before any directory moves
+      multihost_utils.sync_global_devices("checkpoint to resume from chosen")
+    for step in later:  # the resumed run saves these steps anew
+      self._losses.pop(step, None)
+    if later and jax.process_index() == 0:
+      where = self._set_aside(later)
+      self._write_losses()
+      note += f"; the later checkpoints ({', '.join(map(str, later))}) moved to {where}"
+    if note and jax.process_index() == 0:
+      print(f"note: {note}", flush=True)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("later checkpoints set aside")
     self._closed = False
     # Orbax reports every stage of every save at INFO; warnings and errors still show.
     logging.set_verbosity(logging.WARNING)
@@ -152,7 +233,8 @@ class Checkpoints:
         self.directory,
         options=ocp.CheckpointManagerOptions(
           save_interval_steps=every_steps,
-          max_to_keep=keep,
+          # Rotation is `_rotate`'s: orbax's would not keep the newest good checkpoint.
+          max_to_keep=None,
           enable_async_checkpointing=True,
           # Done above, synchronously (orbax's runs in the background).
           cleanup_tmp_directories=False,
@@ -166,6 +248,47 @@ class Checkpoints:
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
+
+  def newest_good_step(self) -> int | None:
+    """The newest checkpoint whose following step's loss was good (kept out of rotation)."""
+    good = [s for s in self._manager.all_steps() if self._losses.get(s, {}).get("good")]
+    return max(good) if good else None
+
+  def record_loss(self, step: int, loss: float, good: bool) -> None:
+    """The loss of `step`, run from the checkpoint of step `step` if there is one."""
+    if step not in self._manager.all_steps():
+      return
+    self._losses[step] = {"loss": loss, "good": good}
+    if jax.process_index() == 0:
+      self._write_losses()
+
+  def _write_losses(self) -> None:
+    partial = self.directory / f"{STEP_LOSSES}.partial"
+    partial.write_text(json.dumps({str(k): v for k, v in sorted(self._losses.items())}))
+    partial.rename(self.directory / STEP_LOSSES)  # atomic: whole or the previous one
+
+  def _set_aside(self, steps: list[int]) -> pathlib.Path:
+    """Move the checkpoints of `steps` into set_aside/ (a numbered folder per resume)."""
+    root = self.directory / SET_ASIDE
+    root.mkdir(exist_ok=True)
+    n = 1
+    while (root / str(n)).exists():
+      n += 1
+    (root / str(n)).mkdir()
+    for step in steps:
+      (self.directory / str(step)).rename(root / str(n) / str(step))
+    return root / str(n)
+
+  def _rotate(self) -> None:
+    """Delete the finished checkpoints beyond the newest `keep`, except the newest good one."""
+    steps = sorted(self._manager.all_steps())
+    kept = set(steps[-self._keep :]) | {self.newest_good_step()}
+    removed = [step for step in steps if step not in kept]
+    for step in removed:
+      self._manager.delete(step)
+      self._losses.pop(step, None)
+    if removed and jax.process_index() == 0:
+      self._write_losses()
 
   def restore_latest(self, abstract_state: TrainState, batches: BatchSource) -> TrainState | None:
     """The newest checkpoint onto `abstract_state`'s shardings (any mesh), the data
@@ -243,6 +366,7 @@ class Checkpoints:
     # files are final and can be fingerprinted.
     self._manager.wait_until_finished()
     self._write_manifests()
+    self._rotate()
     args = {"state": ocp.args.StandardSave(state)}
     if batches.iterator is not None:
       import grain  # pylint: disable=import-outside-toplevel (token files only; optional)
@@ -259,6 +383,7 @@ class Checkpoints:
     try:
       self._manager.wait_until_finished()
       self._write_manifests()
+      self._rotate()
     finally:
       self._manager.close()
 

@@ -49,6 +49,10 @@ class TrainConfig:
   eps: float = 1e-8
   grad_clip: float = 1.0
   seed: int = 0
+  # A step whose loss exceeds this many times the previous step's stops the run like a
+  # non-finite loss, and the checkpoint it ran from is not counted good (train/checkpoint.py
+  # keeps the newest good one out of rotation); 0: only non-finite losses stop a run.
+  loss_jump_factor: float = 0.0
   # synthetic: uniform random tokens; learnable: see train/data.py; tokens: a token file
   task: str = "synthetic"
   data_path: str = ""  # tokens: a flat binary of uint16 ids (train/token_data.py)
@@ -96,6 +100,14 @@ class TrainConfig:
     if self.task == "tokens" and not self.data_path:
       raise UserInputError("train.data_path must name a token file when train.task=tokens")
     self._validate_optimizer()
+    if not (
+      math.isfinite(self.loss_jump_factor)
+      and (self.loss_jump_factor == 0 or self.loss_jump_factor > 1)
+    ):
+      raise UserInputError(
+        f"train.loss_jump_factor must be 0 (off) or a finite number above 1, "
+        f"got {self.loss_jump_factor}"
+      )
     if not 0 <= self.seed < 2**32:
       raise UserInputError(f"train.seed must be in 0 .. 2**32 - 1, got {self.seed}")
 

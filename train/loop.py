@@ -75,9 +75,12 @@ def run(
         if step >= train_cfg.warmup_steps:
           step_times.append(elapsed)
         loss = float(metrics["loss"])
-        if not math.isfinite(loss):
+        problem = _loss_problem(loss, losses[-1] if losses else None, train_cfg.loss_jump_factor)
+        if checkpoints:
+          checkpoints.record_loss(step, loss, good=not problem)
+        if problem:
           raise RunStopped(
-            _stopped(f"loss is {loss} at step {step}", checkpoints, "the bad step was not saved"), 1
+            _stopped(f"{problem} at step {step}", checkpoints, "the bad step was not saved"), 1
           )
         losses.append(loss)
         for hook in hooks:
@@ -107,13 +110,27 @@ def run(
   return RunResult(t1 - t0, t2 - t1, step_times, losses, state, first_step)
 
 
+def _loss_problem(loss: float, previous: float | None, jump_factor: float) -> str:
+  """Why `loss` stops the run ("" if it does not): not finite, or a jump beyond the factor."""
+  if not math.isfinite(loss):
+    return f"loss is {loss}"
+  if jump_factor and previous is not None and loss > jump_factor * previous:
+    return (
+      f"loss jumped from {previous:.4g} to {loss:.4g}, more than train.loss_jump_factor "
+      f"= {jump_factor:g} times"
+    )
+  return ""
+
+
 def _stopped(reason: str, checkpoints: Checkpoints | None, note: str) -> str:
-  """Finish the saves in flight; say which checkpoint is the newest."""
+  """Finish the saves in flight; say which checkpoint is the newest, and the newest good."""
   if not checkpoints:
     return f"{reason}; stopped (no --checkpoint_dir: nothing saved)"
   checkpoints.close()
-  latest = checkpoints.latest_step()
+  latest, good = checkpoints.latest_step(), checkpoints.newest_good_step()
   where = f"the newest checkpoint is step {latest}" if latest is not None else "none saved yet"
+  if good is not None and good != latest:
+    where += f", the newest known good step {good} (a rerun resumes from it)"
   return f"{reason}; stopped: {where} in {checkpoints.directory} ({note})"
 
 
