@@ -136,6 +136,8 @@ def main(argv: list[str]) -> None:
   in_sweep = _MODE.value == "sweep"
 
   def given(flag, unset):
+    if flag.present and not flag.value:
+      raise UserInputError(f"--{flag.name}: empty; give at least one, comma-separated")
     return unset if in_sweep and not flag.present else flag.value
 
   options = Options(

@@ -215,6 +215,19 @@ def _key(
   return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
+def cached_pieces(path: str) -> list[Piece] | None:
+  """The pieces cached at `path`, or None when there are none: a missing, truncated,
+  corrupt or foreign file is compiled anew (and replaced), never an error."""
+  try:
+    with open(path, "rb") as f:
+      cached = pickle.load(f)
+  except Exception:  # pylint: disable=broad-except (unpickling garbage raises anything)
+    return None
+  if isinstance(cached, list) and cached and all(isinstance(p, Piece) for p in cached):
+    return cached
+  return None
+
+
 def pieces(
   exp, hw: Hardware, reduced: layout.ReducedMesh, shapes: tuple[tuple[int, int], ...]
 ) -> tuple[list[Piece], bool]:
@@ -226,11 +239,9 @@ def pieces(
   if canonical.sizes != reduced.sizes:  # a target whose data axis is below the reduced one's
     canonical = reduced
   path = os.path.join(cache_dir(), f"{_key(exp, hw, canonical, chunk_layers, shapes)}.pkl")
-  try:
-    with open(path, "rb") as f:
-      return pickle.load(f), True
-  except (OSError, pickle.UnpicklingError, EOFError):
-    pass
+  cached = cached_pieces(path)
+  if cached is not None:
+    return cached, True
   timer = collective_timing.collective_timer(canonical, hw)
   replicas = reduced.sizes["data"] * reduced.sizes["fsdp"]
   found = []

@@ -10,9 +10,11 @@ import atexit
 import functools
 import os
 import shutil
+import sys
 import tempfile
 
 import jax
+from google.protobuf import empty_pb2, message
 
 KERNEL_CACHE_ENV = "JAX_SCALING_KERNEL_CACHE"  # overrides the file's path
 DEFAULT_KERNEL_CACHE = os.path.join(
@@ -28,9 +30,28 @@ def path() -> str:
   directory = tempfile.mkdtemp(prefix="projection-kernels-")
   private = os.path.join(directory, "kernels.bin")
   if os.path.isfile(shared):
-    shutil.copyfile(shared, private)
+    if _readable(shared):
+      shutil.copyfile(shared, private)
+    else:
+      print(
+        f"note: the kernel cache {shared} is not a kernel cache XLA can read (corrupt or "
+        f"truncated); compiling without it, and replacing it at exit",
+        file=sys.stderr,
+      )
   atexit.register(_save_kernel_cache, private, shared)
   return private
+
+
+def _readable(cache: str) -> bool:
+  """Whether `cache` is well-formed protocol-buffer wire format, as XLA's kernel cache is: XLA
+  fails the whole compile on one it cannot parse. Parsed as an empty message, every field is
+  skipped, so this checks the encoding without knowing XLA's message."""
+  try:
+    with open(cache, "rb") as f:
+      empty_pb2.Empty().ParseFromString(f.read())
+  except (OSError, message.DecodeError):
+    return False
+  return True
 
 
 def _save_kernel_cache(private: str, shared: str) -> None:

@@ -127,6 +127,12 @@ def restricted(sweep: Sweep, hardware: tuple[str, ...], counts: tuple[int, ...])
       raise UserInputError(
         f"--hardware: {name!r} is not one of this sweep's generations ({', '.join(sweep.hardware)})"
       )
+  for count in counts:
+    if count not in sweep.counts:
+      raise UserInputError(
+        f"--gpus: {count} is not one of this sweep's GPU counts "
+        f"({', '.join(str(c) for c in sweep.counts)})"
+      )
   return dataclasses.replace(
     sweep, hardware=hardware or sweep.hardware, counts=counts or sweep.counts
   )
