@@ -125,7 +125,14 @@ class RcpNormalizedTimeToTrain:
     return self.eval_skip_base + self.eval_skip_per_10k_sequences * global_batch // 10_000
 
   def mean_samples(self, global_batch: int) -> float:
-    """The reference mean, linear in the global batch between the RCP batches."""
+    """The reference mean, linear in the global batch between the RCP batches; below the
+    smallest RCP batch, the smallest's mean. Those are MLPerf's rules (mlcommons/logging,
+    mlperf_logging/rcp_checker/rcp_checker.py check_directory: between two RCPs an
+    interpolated one; below them all, the smallest batch's RCP, "RCP not found but slower
+    convergence on smaller batch size"); above them all a submission needs a new RCP."""
+    smallest = min(self.mean_samples_by_global_batch)
+    if 0 < global_batch < smallest:
+      return float(self.mean_samples_by_global_batch[smallest])
     return interpolate(self.mean_samples_by_global_batch, global_batch, self.name)
 
   def steps_to_converge(self, global_batch: int) -> int:

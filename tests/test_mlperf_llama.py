@@ -39,10 +39,17 @@ def test_mean_samples_interpolate_linearly_between_rcp_batches():
   assert V50.mean_samples(1152) == 322_560
   # 1,248 is a twelfth of the way.
   assert V50.mean_samples(1248) == pytest.approx(322_560 + 61_440 / 12)
-  with pytest.raises(UserInputError, match="global batches 1008-9216 only"):
-    V50.mean_samples(512)
   with pytest.raises(UserInputError, match="global batches 1152-4608 only"):
-    V51.mean_samples(9216)
+    V51.mean_samples(9216)  # above every RCP: MLPerf asks for a new RCP
+
+
+@pytest.mark.parametrize("global_batch", [448, 576, 768, 896])
+def test_a_batch_below_every_rcp_takes_the_smallest_batchs_rcp(global_batch):
+  """MLPerf's rcp_checker scores a batch below the smallest RCP batch against that RCP; the
+  published FP8 runs at these batches are then costed, not refused."""
+  assert V50.mean_samples(global_batch) == V50.mean_samples(1008)
+  assert V51.mean_samples(global_batch) == V51.mean_samples(1152)
+  assert V50.steps_to_converge(global_batch) * global_batch <= V50.mean_samples(1008)
 
 
 @pytest.mark.parametrize("run", published.CALIBRATION, ids=lambda r: f"{r.gpus}")
