@@ -44,6 +44,7 @@ from hardware.catalog import Hardware  # noqa: E402
 from measure.point import PointOptions, run_point  # noqa: E402
 from parallelism.mesh import MeshConfig  # noqa: E402
 from projection import host_calibration, project  # noqa: E402
+from projection.plan import plan  # noqa: E402
 
 TARGET_ERROR = 0.25
 
@@ -121,7 +122,7 @@ def compare(
     profiler.reset()
     times = measure(exp, point.devices, hooks=[profiler])
     hw = profiler.hardware()
-  projected = project.project_on(exp, hw, project.plan(exp, hw, point.devices))["step_time_s"]
+  projected = project.project(exp, plan(exp, hw, point.devices), "full").step_time_s
   return Result(point, float(np.median(times)), float(np.min(times)), projected, hw)
 
 

@@ -50,6 +50,8 @@ from projection import (  # noqa: E402
   project,
   step_loops,
 )
+from projection.plan import Target, plan  # noqa: E402
+from records.points import to_json  # noqa: E402
 from reference import mlperf_gpt3  # noqa: E402
 from report import table  # noqa: E402
 
@@ -120,11 +122,13 @@ def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
 def analyse(exp, hw_name: str, gpus: int) -> dict:
   """The projection record, and its timing and pipeline-loop memory-bound work as if it fit."""
   start = time.perf_counter()
-  record = project.project(exp, hw_name, gpus)
   hw = project.hardware(hw_name, gpus)
+  target = plan(exp, hw, gpus)
+  reduced = target.reduced
+  # The calibration is the reference: the whole step compiled.
+  record = to_json(project.project(exp, target, "full"))
   unlimited = dataclasses.replace(hw, hbm_gib=1e9)
-  reduced = project.plan(exp, hw, gpus)
-  if_fit = project.project_on(exp, unlimited, reduced)
+  if_fit = to_json(project.project(exp, Target(unlimited, reduced), "full"))
   timer = collective_timing.collective_timer(reduced, hw)
   step, _ = aot_compile.compiled_program(exp, hw, reduced, timer)
   virtual = exp.train.virtual_stages if reduced.sizes.get("pipeline", 1) > 1 else 1

@@ -7,8 +7,10 @@ import experiments
 import platform_env
 from errors import UserInputError
 from experiments import overrides
+from hardware.catalog import Hardware
 from measure.point import PointOptions
 from projection import project
+from projection.plan import Target, plan
 from report import results
 from train import checkpoint as checkpoint_lib
 
@@ -33,6 +35,12 @@ class Options:
   checkpoint_every: int = 100
   keep_checkpoints: int = 3
   sets: tuple[str, ...] = ()  # --set KEY=VALUE, in order
+
+  @property
+  def how(self) -> str:
+    """How every projected point's program is had (projection/project.py): the same in
+    every mode, `full` with --full_compile."""
+    return "full" if self.full_compile else "auto"
 
 
 def experiment(
@@ -99,16 +107,22 @@ def hardware_names(options: Options) -> tuple[str, ...]:
   return tuple(name.strip().lower() for name in options.hardware)
 
 
-def projection_points(options: Options, check_plan: bool = True) -> list[tuple[str, int]]:
-  """Every (hardware, gpus) point, all checked before the first compile (with
-  `check_plan`, the experiment's own layout on each)."""
+def hardware_points(options: Options) -> list[tuple[Hardware, int]]:
+  """Every (hardware, gpus) point of --hardware x --gpus, the names checked."""
   if not options.gpus or not options.hardware:
     raise UserInputError(
       f"--{'gpus' if not options.gpus else 'hardware'}: empty; give at least one, comma-separated"
     )
-  points = [(name, gpus) for name in hardware_names(options) for gpus in gpu_counts(options)]
-  for name, gpus in points:
-    hw = project.hardware(name, gpus)
-    if check_plan:
-      project.plan(experiment(options, "project", gpus=gpus, hardware=name), hw, gpus)
+  counts = gpu_counts(options)
+  names = hardware_names(options)
+  return [(project.hardware(name, gpus), gpus) for name in names for gpus in counts]
+
+
+def projection_points(options: Options) -> list[tuple[experiments.ExperimentConfig, Target]]:
+  """Every point's experiment and its target, each planned once and all before the first
+  compile."""
+  points = []
+  for hw, gpus in hardware_points(options):
+    exp = experiment(options, "project", gpus=gpus, hardware=hw.name)
+    points.append((exp, plan(exp, hw, gpus)))
   return points
