@@ -33,6 +33,7 @@ platform_env.configure(host_devices=8)
 
 import experiments  # noqa: E402
 from experiments import overrides  # noqa: E402
+from measure import host_calibration  # noqa: E402
 from projection import project, search  # noqa: E402
 from projection.plan import check_gpus, plan  # noqa: E402
 from records.points import to_json  # noqa: E402
@@ -68,7 +69,7 @@ def random_checks(hardware: list[str], count: int, seed: int) -> list[tuple]:
   exp = _exp(512, ())
   rows = []
   for hw_name in hardware:
-    hw = project.hardware(hw_name, 512)
+    hw = host_calibration.hardware(hw_name, 512)
     check_gpus(hw, 512)
     capacity_gb = hw.hbm_bytes / 1e9
     valid = [
@@ -113,7 +114,7 @@ def main() -> None:
       continue
     exp = _exp(gpus, sets)
     start = time.perf_counter()
-    target = plan(exp, project.hardware(hw_name, gpus), gpus)
+    target = plan(exp, host_calibration.hardware(hw_name, gpus), gpus)
     composed = to_json(project.project(exp, target, "composed"))
     composed_wall = time.perf_counter() - start
     start = time.perf_counter()

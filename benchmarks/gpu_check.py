@@ -30,7 +30,7 @@ and one of the kernels, appended), gpu_check.md (the tables of this run), trace.
 configuration that fails is recorded with its error and the others still run; the exit
 code is then 1. Bad flags: one line on stderr, exit code 2. --dry_run runs everything
 on one host CPU device with tiny models and projects onto `host` (this machine's
-profile, measured and cached by projection/host_calibration.py) unless --hardware says
+profile, measured and cached by measure/host_calibration.py) unless --hardware says
 otherwise.
 """
 
@@ -66,6 +66,7 @@ import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
+from measure import host_calibration, rates  # noqa: E402
 from measure.point import PointOptions, run_point  # noqa: E402
 from measure.trace import TOP_KERNELS, compare_ops, read_trace  # noqa: E402
 from model.flops import param_count, train_flops_per_token  # noqa: E402
@@ -241,7 +242,7 @@ def measure(
   exp: experiments.ExperimentConfig, device, hooks: tuple = ()
 ) -> tuple[loop.RunResult, train_step.TrainProgram]:
   """The run `launch.py --mode=benchmark --devices=1` times (its run_point), on `device`."""
-  options = PointOptions(output_dir=None, hooks=tuple(hooks), show=False)
+  options = PointOptions(output_dir=None, hooks=tuple(hooks))
   point = run_point(exp, "benchmark", [device], options)
   return point.result, point.program
 
@@ -505,7 +506,7 @@ def run_config(
     run = dataclasses.replace(run, step_times_s=times[:-1])
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   peak, peak_source = peak_tflops(hw)
-  record.update(loop.summarize(run, tokens_per_step, 1, train_flops_per_token(exp.model), peak))
+  record.update(rates.summarize(run, tokens_per_step, 1, train_flops_per_token(exp.model), peak))
   record.update(
     peak_source=peak_source, step_times_s=times, final_loss=run.losses[-1] if run.losses else None
   )
@@ -520,7 +521,7 @@ def main(argv: list[str]) -> int:
   args = parse_args(argv)
   started = time.perf_counter()
   device = _device(args.dry_run)
-  hw = project.hardware(args.hardware, 1)
+  hw = host_calibration.hardware(args.hardware, 1)
   if not args.dry_run and hw.name.upper() not in device.device_kind.upper():
     print(f"note: projecting onto {hw.name} while this device is {device.device_kind}")
   _use_compilation_cache()

@@ -42,6 +42,7 @@ import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
 from experiments import mlperf_llama31_405b, overrides  # noqa: E402
 from hardware import catalog  # noqa: E402
+from measure import host_calibration  # noqa: E402
 from projection import (  # noqa: E402
   aot_compile,
   collective_timing,
@@ -122,7 +123,7 @@ def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
 def analyse(exp, hw_name: str, gpus: int) -> dict:
   """The projection record, and its timing and pipeline-loop memory-bound work as if it fit."""
   start = time.perf_counter()
-  hw = project.hardware(hw_name, gpus)
+  hw = host_calibration.hardware(hw_name, gpus)
   target = plan(exp, hw, gpus)
   reduced = target.reduced
   # The calibration is the reference: the whole step compiled.
@@ -252,7 +253,7 @@ def main() -> None:
     bench = BENCHMARKS[args.benchmark]
     hardware = args.hardware.split(",") if args.hardware else list(bench.generations)
     for name in hardware:
-      project.hardware(name)
+      host_calibration.hardware(name)
     exp = overrides.apply(experiments.load(bench.experiment), args.set)
     exp.model.validate()
     exp.train.validate()

@@ -8,9 +8,11 @@ import platform_env
 from errors import UserInputError
 from experiments import overrides
 from hardware.catalog import Hardware
+from measure import host_calibration
 from measure.point import PointOptions
-from projection import project
+from parallelism.mesh import MeshLayout
 from projection.plan import Target, plan
+from report import points as printers
 from report import results
 from train import checkpoint as checkpoint_lib
 
@@ -65,8 +67,16 @@ def experiment(
   return exp
 
 
+def announce(layout: MeshLayout, platform: str, pipeline_record: dict, trips: str) -> None:
+  """A measured point's mesh and pipeline schedule, printed before it compiles."""
+  print(printers.mesh_table(layout, platform))
+  if pipeline_record:
+    print(printers.pipeline_table(pipeline_record, layout.sizes["pipeline"], trips))
+
+
 def point_options(options: Options) -> PointOptions:
   return PointOptions(
+    announce=announce,
     output_dir=options.output_dir,
     profile_steps=options.profile_steps,
     checkpoint_dir=options.checkpoint_dir,
@@ -115,7 +125,7 @@ def hardware_points(options: Options) -> list[tuple[Hardware, int]]:
     )
   counts = gpu_counts(options)
   names = hardware_names(options)
-  return [(project.hardware(name, gpus), gpus) for name in names for gpus in counts]
+  return [(host_calibration.hardware(name, gpus), gpus) for name in names for gpus in counts]
 
 
 def projection_points(options: Options) -> list[tuple[experiments.ExperimentConfig, Target]]:

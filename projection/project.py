@@ -33,27 +33,12 @@ micro-batch count do not depend on the GPU count, so every GPU count of one expe
 
 import dataclasses
 
-from errors import UserInputError
-from hardware import catalog
-from hardware.catalog import Hardware
-from projection import aot_compile, collective_timing, compose, hlo, host_calibration, step_loops
+from projection import aot_compile, collective_timing, compose, hlo, step_loops
 from projection.plan import Target
 from projection.record import GB, Compiled, costed, record, target_memory_gb
 from records.points import ComposedEstimate, ProjectedPoint
 
 HOWS = ("auto", "full", "composed")
-
-
-def hardware(name: str, gpus: int = 1) -> Hardware:
-  """A catalog entry; 'host' is this machine's profile with `gpus` CPU devices active."""
-  if name.strip().lower() == "host":
-    return host_calibration.host_profile(devices=gpus)
-  try:
-    return catalog.get(name)
-  except ValueError:
-    raise UserInputError(
-      f"--hardware: unknown hardware {name!r}; known: {', '.join(catalog.names() + ['host'])}"
-    ) from None
 
 
 def project(exp, target: Target, how: str = "auto") -> ProjectedPoint:

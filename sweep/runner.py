@@ -18,7 +18,7 @@ from collections.abc import Callable
 import tqdm
 
 from errors import UserInputError
-from measure import fit
+from measure import fit, host_calibration
 from measure.point import PointOptions, run_point
 from parallelism import mesh as mesh_lib
 from projection import layout, project, search
@@ -65,7 +65,7 @@ def point_key(exp, sweep: Sweep, point: Point, full_compile: bool = False) -> st
 def _replicas(exp, sweep: Sweep, point: Point) -> int:
   """Data-parallel replicas (data x fsdp) of the experiment's mesh at this point."""
   if sweep.mode == "project":
-    hw = project.hardware(point.hardware, point.devices)
+    hw = host_calibration.hardware(point.hardware, point.devices)
     sizes = layout.target_layout(
       exp.mesh, point.devices, hw.gpus_per_node, hw.nvlink_domain_size
     ).sizes
@@ -102,7 +102,7 @@ def _best_of_search(exp, sweep: Sweep, point: Point, how: str) -> dict:
   says which it is, and `projected` what else was projected and how fast."""
   found = search.search(
     exp,
-    project.hardware(point.hardware, point.devices),
+    host_calibration.hardware(point.hardware, point.devices),
     point.devices,
     sweep.search_budget,
     how,
@@ -131,7 +131,7 @@ def _run_point(
     if sweep.mode == "project" and sweep.search_budget:
       record = _best_of_search(point_exp, sweep, point, how)
     elif sweep.mode == "project":
-      hw = project.hardware(point.hardware, point.devices)
+      hw = host_calibration.hardware(point.hardware, point.devices)
       record = to_json(project.project(point_exp, plan(point_exp, hw, point.devices), how))
     else:
       record = _measure(point_exp, point.devices, options)
