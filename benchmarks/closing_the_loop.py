@@ -4,7 +4,7 @@ For small GPT configurations on 1, 2, 4 and 8 emulated CPU devices (data, fsdp a
 tensor meshes) this measures the train step with the project's own code (the steps of
 `launch.py --mode=benchmark`: parallelism/mesh.py, train/step.py, train/loop.py) and
 projects it with the `host` profile for that many active devices (projection/project.py,
-hardware/host_programs.py, projection/host_calibration.py: `launch.py --mode=project
+measure/host_programs.py, measure/host_calibration.py: `launch.py --mode=project
 --hardware=host --gpus=N`), then prints measured median, projected time and error for
 each.
 
@@ -12,7 +12,7 @@ each.
   python benchmarks/closing_the_loop.py --only=fsdp --cached
 
 The host profile of each configuration is measured alongside its steps, in the same
-process: one round of the profile's micro-benchmarks (projection/host_calibration.py's
+process: one round of the profile's micro-benchmarks (measure/host_calibration.py's
 `Profiler`, a train/loop.py step hook) before every step, outside the step's clock, and
 the medians of both. Load from other processes on the shared cores then falls on the profile and the
 steps alike, instead of on whichever ran when the machine was busier. Each profile is
@@ -41,9 +41,11 @@ import numpy as np  # noqa: E402
 
 import experiments  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
+from measure import host_calibration  # noqa: E402
 from measure.point import PointOptions, run_point  # noqa: E402
 from parallelism.mesh import MeshConfig  # noqa: E402
-from projection import host_calibration, project  # noqa: E402
+from projection import project  # noqa: E402
+from projection.plan import plan  # noqa: E402
 
 TARGET_ERROR = 0.25
 
@@ -99,7 +101,7 @@ def experiment(point: Point, steps: int = 10) -> experiments.ExperimentConfig:
 
 def measure(exp: experiments.ExperimentConfig, devices: int, hooks=()) -> list[float]:
   """Step times as `launch.py --mode=benchmark --devices=N` measures them (its run_point)."""
-  options = PointOptions(output_dir=None, hooks=tuple(hooks), show=False)
+  options = PointOptions(output_dir=None, hooks=tuple(hooks))
   return run_point(exp, "benchmark", jax.devices()[:devices], options).result.step_times_s
 
 
@@ -115,13 +117,13 @@ def compare(
   exp = experiment(point, steps)
   if cached:
     times = measure(exp, point.devices)
-    hw = project.hardware("host", point.devices)
+    hw = host_calibration.hardware("host", point.devices)
   else:
     profiler = profiler or host_calibration.Profiler(point.devices)
     profiler.reset()
     times = measure(exp, point.devices, hooks=[profiler])
     hw = profiler.hardware()
-  projected = project.project_on(exp, hw, project.plan(exp, hw, point.devices))["step_time_s"]
+  projected = project.project(exp, plan(exp, hw, point.devices), "full").step_time_s
   return Result(point, float(np.median(times)), float(np.min(times)), projected, hw)
 
 

@@ -33,7 +33,10 @@ platform_env.configure(host_devices=8)
 
 import experiments  # noqa: E402
 from experiments import overrides  # noqa: E402
-from projection import compose, project, search  # noqa: E402
+from measure import host_calibration  # noqa: E402
+from projection import project, search  # noqa: E402
+from projection.plan import check_gpus, plan  # noqa: E402
+from records.points import to_json  # noqa: E402
 
 # (name, hardware, GPUs, --set overrides on the experiment at that GPU count).
 CHECKS = (
@@ -66,7 +69,8 @@ def random_checks(hardware: list[str], count: int, seed: int) -> list[tuple]:
   exp = _exp(512, ())
   rows = []
   for hw_name in hardware:
-    hw = search.check_point(hw_name, 512)
+    hw = host_calibration.hardware(hw_name, 512)
+    check_gpus(hw, 512)
     capacity_gb = hw.hbm_bytes / 1e9
     valid = [
       c
@@ -110,10 +114,11 @@ def main() -> None:
       continue
     exp = _exp(gpus, sets)
     start = time.perf_counter()
-    composed = compose.project(exp, hw_name, gpus)
+    target = plan(exp, host_calibration.hardware(hw_name, gpus), gpus)
+    composed = to_json(project.project(exp, target, "composed"))
     composed_wall = time.perf_counter() - start
     start = time.perf_counter()
-    reference = project.project(exp, hw_name, gpus)
+    reference = to_json(project.project(exp, target, "full"))
     full_wall = time.perf_counter() - start
     # A configuration over capacity is left untimed.
     full_s = reference.get("step_time_s", float("nan"))

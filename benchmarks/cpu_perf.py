@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 import experiments
+from measure import rates
 from measure.point import build_point
 from model.config import ModelConfig
 from model.flops import param_count, train_flops_per_token
@@ -166,13 +167,13 @@ def measure(name: str, steps: int | None, rounds: int, torch_python: str | None)
   load_start = os.getloadavg()[0]
   jax_step = JaxStep(model, train, exp.mesh)
   torch_step = TorchStep(torch_python, model, train) if torch_python else None
-  peaks = [loop.measure_matmul_tflops("float32")]
+  peaks = [rates.measure_matmul_tflops("float32")]
   jax_rounds, torch_rounds = [], []
   for _ in range(rounds):
     jax_rounds.append(jax_step.run(steps))
     if torch_step:
       torch_rounds.append(torch_step.run(steps))
-    peaks.append(loop.measure_matmul_tflops("float32"))
+    peaks.append(rates.measure_matmul_tflops("float32"))
   if torch_step:
     torch_step.close()
 
@@ -180,7 +181,7 @@ def measure(name: str, steps: int | None, rounds: int, torch_python: str | None)
   flops_per_token = train_flops_per_token(model)
   jax_times = [t for r in jax_rounds for t in r]
   result = loop.RunResult(0.0, jax_step.compile_s, jax_times, [], None)
-  summary = loop.summarize(result, tokens_per_step, 1, flops_per_token, max(peaks))
+  summary = rates.summarize(result, tokens_per_step, 1, flops_per_token, max(peaks))
   out = {
     "experiment": name,
     "params": param_count(model),

@@ -1,8 +1,9 @@
 """The train step measured on this machine's GPU beside the projection of the same
 compiled step onto that GPU's catalog entry: one command for a lent single-GPU machine.
 
-Its length (over 400 lines) is the trace reader and the tables; both serve only this check,
-which runs as one prepared command on a machine lent for minutes, so they stay beside it.
+The trace reader is measure/trace.py, each op's projected time projection/op_costs.py and
+the projection of the measured program projection/project.py's of_program; the tables,
+which serve only this check, stay beside it.
 
 For each configuration in CONFIGS (each loads a different part of the cost model: a
 matmul-bound GPT-3 1.3B, a small model whose attention scores go through HBM, full
@@ -10,16 +11,15 @@ remat, FP8) this
   1. measures the step as `launch.py --mode=benchmark --devices=1` does
      (parallelism/mesh.py, train/step.py, train/loop.py): compile time, median step, MFU;
   2. projects the program compiled for this very device onto `--hardware` (h200 by
-     default) with the projection's HLO reader and cost model (projection/hlo.py,
-     projection/cost_model.py, projection/project.py's layout and the collective timer of
-     projection/collective_timing.py), as the host projection does for CPU devices: no
-     deviceless target is needed. The step's text comes from compiling it once more,
-     which JAX's compilation caches serve (the executable the measurement ran; a
-     persistent cache is set up if none is);
+     default) with the projection's HLO reader, cost model and record (projection/project.py's
+     of_program: a records.points.ProjectedPoint, as every projection makes), as the host
+     projection does for CPU devices: no deviceless target is needed. The step's text
+     comes from compiling it once more, which JAX's compilation caches serve (the
+     executable the measurement ran; a persistent cache is set up if none is);
   3. for one configuration (--trace), traces its last step with the JAX profiler
      (train/hooks.py's ProfileHook) and reads the time of every HLO op from the trace
-     (jax.profiler.ProfileData over the .xplane.pb; the gzipped Chrome trace where that
-     fails), to set the top kernels beside the projection's time for the same ops.
+     (measure/trace.py), to set the top kernels beside the projection's time for the
+     same ops.
 
   python benchmarks/gpu_check.py --output_dir=gpu_check          # one GPU, ~5 minutes
   python benchmarks/gpu_check.py --dry_run --output_dir=/tmp/gc  # host CPU, tiny sizes
@@ -30,7 +30,7 @@ and one of the kernels, appended), gpu_check.md (the tables of this run), trace.
 configuration that fails is recorded with its error and the others still run; the exit
 code is then 1. Bad flags: one line on stderr, exit code 2. --dry_run runs everything
 on one host CPU device with tiny models and projects onto `host` (this machine's
-profile, measured and cached by projection/host_calibration.py) unless --hardware says
+profile, measured and cached by measure/host_calibration.py) unless --hardware says
 otherwise.
 """
 
@@ -40,11 +40,9 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import glob
 import gzip
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -68,9 +66,14 @@ import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
+from measure import host_calibration, rates  # noqa: E402
 from measure.point import PointOptions, run_point  # noqa: E402
+from measure.trace import TOP_KERNELS, compare_ops, read_trace  # noqa: E402
 from model.flops import param_count, train_flops_per_token  # noqa: E402
-from projection import collective_timing, cost_model, hlo, project  # noqa: E402
+from projection import hlo, project  # noqa: E402
+from projection.op_costs import projected_ops  # noqa: E402
+from projection.plan import plan  # noqa: E402
+from records.points import ProjectedPoint, to_json  # noqa: E402
 from train import hooks as hooks_lib  # noqa: E402
 from train import loop  # noqa: E402
 from train import step as train_step  # noqa: E402
@@ -87,7 +90,6 @@ BASE_SETS = (
 JSONL, MARKDOWN = "gpu_check.jsonl", "gpu_check.md"
 TRACE_FILE, HLO_FILE = "trace.xplane.pb", "trace_hlo.txt.gz"
 MAX_FILE_BYTES = 16 * 2**20  # what the device tool brings back per file
-TOP_KERNELS = 20
 TARGET_ERROR = 0.25  # the project's closing-the-loop target (benchmarks/closing_the_loop.py)
 
 
@@ -240,7 +242,7 @@ def measure(
   exp: experiments.ExperimentConfig, device, hooks: tuple = ()
 ) -> tuple[loop.RunResult, train_step.TrainProgram]:
   """The run `launch.py --mode=benchmark --devices=1` times (its run_point), on `device`."""
-  options = PointOptions(output_dir=None, hooks=tuple(hooks), show=False)
+  options = PointOptions(output_dir=None, hooks=tuple(hooks))
   point = run_point(exp, "benchmark", [device], options)
   return point.result, point.program
 
@@ -256,16 +258,18 @@ def peak_tflops(hw: Hardware) -> tuple[float, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Projection:
-  record: dict
+  point: ProjectedPoint
   program: hlo.Program
   hlo_text: str
+  hlo_bytes: float  # the program's HBM bytes over one step (loop trips counted)
+  kernels: int  # compute ops run over one step
 
 
 def project_compiled(
-  exp: experiments.ExperimentConfig, program: train_step.TrainProgram, hw: Hardware
+  exp: experiments.ExperimentConfig, program: train_step.TrainProgram, hw: Hardware, device
 ) -> Projection:
   """The projection of the step as compiled for this device (the one `measure` ran):
-  projection/project.py's cost of a program, without its deviceless compile."""
+  projection/project.py's of_program, without its deviceless compile."""
   start = time.perf_counter()
   compiled = program.lower(exp.train.global_batch, exp.model.seq_len).compile()
   compile_s = time.perf_counter() - start
@@ -275,213 +279,24 @@ def project_compiled(
   # One GPU is a node of its own (the catalog's entries describe 8-GPU nodes); it has no
   # collectives, but the program is costed through the same layout and timer all the same.
   alone = dataclasses.replace(hw, gpus_per_node=1, nvlink_domain_size=1)
-  timer = collective_timing.collective_timer(project.plan(exp, alone, 1), alone)
-  cost = cost_model.simulate(analysis.entry, hw, timer)
   memory = compiled.memory_analysis()
-  memory_gb = (
+  memory_bytes = (
     memory.argument_size_in_bytes
     + memory.output_size_in_bytes
     - memory.alias_size_in_bytes
     + memory.temp_size_in_bytes
-  ) / GB
-  tokens_per_step = exp.train.global_batch * exp.model.seq_len
-  model_tflops = tokens_per_step / cost.step_s * train_flops_per_token(exp.model) / 1e12
-  record = {
-    "hardware": hw.name,
-    "compile_s": round(compile_s, 3),
-    "step_time_s": cost.step_s,
-    "mfu": model_tflops / peak_tflops(hw)[0],
-    "compute_s": cost.compute_s,
-    "memory_bound_s": cost.memory_bound_s,
-    "launch_s": cost.other_s,
-    "exposed_comm_s": cost.exposed_comm_s,
-    "hlo_flops": hlo.total_flops(analysis),
-    "hlo_matmul_flops": hlo.dot_flops(analysis),
-    "hlo_bytes": sum((n.bytes_read + n.bytes_written) * t for n, t in compute),
-    "kernels": sum(t for _, t in compute),
-    "memory_per_device_gb": memory_gb,
-    "hbm_capacity_gb": hw.hbm_bytes / GB,
-  }
-  return Projection(record, analysis, text)
-
-
-@dataclasses.dataclass(frozen=True)
-class OpCost:
-  name: str
-  opcode: str
-  kind: str
-  op_name: str
-  runs: int  # executions in one step (loop trips multiplied)
-  seconds: float  # projected, all runs, without the launch overhead
-  bound: str  # "memory" or "flops"
-
-
-def projected_ops(program: hlo.Program, hw: Hardware) -> dict[str, OpCost]:
-  """Each compute op's projected time over one step, by HLO instruction name."""
-  ops: dict[str, OpCost] = {}
-  for node, runs in hlo.walk(program):
-    if not isinstance(node, hlo.Compute):
-      continue
-    flops_s, bytes_s = cost_model.op_times_s(node, hw)
-    seen = ops.get(node.name)
-    ops[node.name] = OpCost(
-      node.name,
-      node.opcode,
-      node.kind,
-      node.op_name,
-      runs + (seen.runs if seen else 0),
-      runs * max(flops_s, bytes_s) + (seen.seconds if seen else 0.0),
-      "memory" if bytes_s > flops_s else "flops",
-    )
-  return ops
-
-
-# ------------------------------------------------------------------------------------ trace
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceOps:
-  """Device time by HLO op in a trace of one step."""
-
-  source: str  # the file read and how
-  seconds: dict[str, float]  # op -> summed duration
-  runs: dict[str, int]  # op -> events
-  events: int  # op events read
-
-
-_HLO_OP = re.compile(r"hlo_op=([^,#:]+)")
-# Ops that hold others (a CPU trace nests a loop's ops inside its while event).
-_CONTAINERS = re.compile(r"^(while|conditional|call)([._]|$)")
-
-
-def _op_of(name: str, stats: dict, device_plane: bool) -> str | None:
-  """The HLO op an event ran: its hlo_op stat, an annotation naming one, or on a GPU's
-  plane the kernel's own name (XLA names a fusion's kernel after the fusion)."""
-  if stats.get("hlo_op"):
-    return str(stats["hlo_op"])
-  for key in ("kernel_annotation", "annotation", "tf_op", "long_name"):
-    found = _HLO_OP.findall(str(stats.get(key, "")))
-    if found:
-      return found[-1]
-  return name if device_plane else None
-
-
-def _accumulate(events: list[tuple[str, float]], source: str) -> TraceOps:
-  seconds: dict[str, float] = {}
-  runs: dict[str, int] = {}
-  for op, duration_s in events:
-    seconds[op] = seconds.get(op, 0.0) + duration_s
-    runs[op] = runs.get(op, 0) + 1
-  return TraceOps(source, seconds, runs, len(events))
-
-
-def _from_xplane(path: str) -> TraceOps:
-  data = jax.profiler.ProfileData.from_file(path)
-  planes = list(data.planes)
-  # A GPU's kernels are on its device planes; the host plane then holds only launches.
-  gpu = [p for p in planes if p.name.startswith("/device:") and "CPU" not in p.name.upper()]
-  events = []
-  for plane in gpu or planes:
-    lines = list(plane.lines)
-    # A GPU's kernels are on its stream lines; lines a profiler derives from them (XLA
-    # Ops, XLA Modules, Steps) would count them again.
-    streams = [line for line in lines if line.name.startswith("Stream")] if gpu else []
-    for line in streams or lines:
-      for event in line.events:
-        op = _op_of(event.name, dict(event.stats), bool(gpu))
-        if op is not None:
-          events.append((op, event.duration_ns * 1e-9))
-  return _accumulate(
-    events,
-    f"{os.path.basename(path)} (jax.profiler.ProfileData, {'device' if gpu else 'host'} planes)",
   )
-
-
-def _from_chrome_trace(path: str) -> TraceOps:
-  with gzip.open(path, "rt") as f:
-    trace = json.load(f)
-  events = []
-  for event in trace.get("traceEvents", []):
-    if event.get("ph") != "X":
-      continue
-    op = _op_of(event.get("name", ""), event.get("args", {}), False)
-    if op is not None:
-      events.append((op, float(event.get("dur", 0.0)) * 1e-6))
-  return _accumulate(events, f"{os.path.basename(path)} (Chrome trace JSON)")
-
-
-def read_trace(trace_dir: str) -> tuple[TraceOps | None, str, str | None]:
-  """(op times, note, the .xplane.pb) of the newest trace under `trace_dir`."""
-  planes = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  chrome = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
-  xplane = planes[-1] if planes else None
-  failures = []
-  for reader, paths in ((_from_xplane, planes), (_from_chrome_trace, chrome)):
-    if not paths:
-      continue
-    try:
-      ops = reader(paths[-1])
-    except Exception as e:  # pylint: disable=broad-except (a format this jax does not read)
-      failures.append(f"{os.path.basename(paths[-1])}: {type(e).__name__}: {_first_line(e)}")
-      continue
-    if ops.events:
-      return ops, "", xplane
-    failures.append(f"{os.path.basename(paths[-1])}: no event names an HLO op")
-  note = "; ".join(failures) or f"no trace file under {trace_dir}"
-  return None, note, xplane
-
-
-def _key(name: str) -> str:
-  """Names as kernels carry them: XLA writes a fusion 'loop_add_fusion.2' as a kernel
-  'loop_add_fusion_2'."""
-  return re.sub(r"[^A-Za-z0-9]", "_", name)
-
-
-def compare_ops(
-  trace: TraceOps, projected: dict[str, OpCost], traced_step_s: float, top: int = TOP_KERNELS
-) -> dict:
-  """The trace's op times beside the projection's, top `top` by measured time."""
-  by_key = {_key(name): op for name, op in projected.items()}
-  matched_s = unmatched_s = 0.0
-  rows = []
-  for name, seconds in trace.seconds.items():
-    op = by_key.get(_key(name))
-    if op is None and _CONTAINERS.match(name):
-      continue  # its ops are counted themselves
-    if op is None:
-      unmatched_s += seconds
-    else:
-      matched_s += seconds
-    rows.append(
-      {
-        "op": name,
-        "measured_s": seconds,
-        "measured_runs": trace.runs[name],
-        "projected_s": op.seconds if op else None,
-        "projected_runs": op.runs if op else None,
-        "opcode": op.opcode if op else "",
-        "kind": op.kind if op else "",
-        "bound": op.bound if op else "",
-        "op_name": op.op_name if op else "",
-      }
-    )
-  rows.sort(key=lambda r: -r["measured_s"])
-  matched = {_key(r["op"]) for r in rows if r["projected_s"] is not None}
-  return {
-    "source": trace.source,
-    "events": trace.events,
-    "ops": len(trace.seconds),
-    "matched_ops": len(matched),
-    "projected_ops": len(projected),
-    "measured_matched_s": matched_s,
-    "measured_unmatched_s": unmatched_s,
-    "projected_matched_s": sum(op.seconds for k, op in by_key.items() if k in matched),
-    "projected_all_s": sum(op.seconds for op in projected.values()),
-    "traced_step_s": traced_step_s,
-    # Of the traced step, what no op's event covers: launches, gaps, host work.
-    "measured_idle_s": max(traced_step_s - matched_s - unmatched_s, 0.0),
-    "top": rows[:top],
-  }
+  compiled_for = "cuda" if device.platform == "gpu" else device.platform
+  point = project.of_program(
+    exp, plan(exp, alone, 1), analysis, memory_bytes, compile_s, compiled_for
+  )
+  return Projection(
+    point,
+    analysis,
+    text,
+    sum((n.bytes_read + n.bytes_written) * t for n, t in compute),
+    sum(t for _, t in compute),
+  )
 
 
 class _Guarded:
@@ -543,13 +358,14 @@ def config_table(records: list[dict]) -> list[str]:
       lines.append(f"{head} {r.get('error') or r.get('skipped')} |" + " |" * 10)
       continue
     p = r["projected"]
+    b = p["breakdown"]
     flag = "" if abs(p["step_time_s"] / r["step_time_s"] - 1) <= TARGET_ERROR else " *"
     lines.append(
       f"{head} {r['compile_s']:.1f} | {_ms(r['step_time_s'])} | {r['mfu']:.1%} | "
       f"{_ms(p['step_time_s'])} | {p['mfu']:.1%} | "
-      f"{_ratio(p['step_time_s'], r['step_time_s'])}{flag} | {_ms(p['compute_s'])} | "
-      f"{_ms(p['memory_bound_s'])} | {_ms(p['launch_s'])} | {_ms(p['exposed_comm_s'])} | "
-      f"{p['memory_per_device_gb']:.1f} / {p['hbm_capacity_gb']:.0f} |"
+      f"{_ratio(p['step_time_s'], r['step_time_s'])}{flag} | {_ms(b['compute_s'])} | "
+      f"{_ms(b['memory_bound_s'])} | {_ms(b['other_s'])} | {_ms(b['exposed_comm_s'])} | "
+      f"{p['memory_per_gpu_gb']:.1f} / {p['hbm_capacity_gb']:.0f} |"
     )
   for r in records:
     if "first_attempt_error" in r:
@@ -690,13 +506,14 @@ def run_config(
     run = dataclasses.replace(run, step_times_s=times[:-1])
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   peak, peak_source = peak_tflops(hw)
-  record.update(loop.summarize(run, tokens_per_step, 1, train_flops_per_token(exp.model), peak))
+  record.update(rates.summarize(run, tokens_per_step, 1, train_flops_per_token(exp.model), peak))
   record.update(
     peak_source=peak_source, step_times_s=times, final_loss=run.losses[-1] if run.losses else None
   )
-  projection = project_compiled(exp, program, hw)
-  record["projected"] = projection.record
-  record["error_vs_measured"] = projection.record["step_time_s"] / record["step_time_s"] - 1
+  projection = project_compiled(exp, program, hw, device)
+  record["projected"] = to_json(projection.point)
+  record["projected_program"] = {"hlo_bytes": projection.hlo_bytes, "kernels": projection.kernels}
+  record["error_vs_measured"] = projection.point.step_time_s / record["step_time_s"] - 1
   return record, projection, times
 
 
@@ -704,7 +521,7 @@ def main(argv: list[str]) -> int:
   args = parse_args(argv)
   started = time.perf_counter()
   device = _device(args.dry_run)
-  hw = project.hardware(args.hardware, 1)
+  hw = host_calibration.hardware(args.hardware, 1)
   if not args.dry_run and hw.name.upper() not in device.device_kind.upper():
     print(f"note: projecting onto {hw.name} while this device is {device.device_kind}")
   _use_compilation_cache()
@@ -827,11 +644,11 @@ def _trace_record(
     f.write(projection.hlo_text)
   if trace is None:
     return None, "; ".join(notes)
-  kernels = compare_ops(trace, projected_ops(projection.program, hw), times[-1])
+  kernels = compare_ops(trace, projected_ops(projection.program, hw), times[-1], TOP_KERNELS)
   kernels.update(
     kind="kernels",
     config=config.name,
-    projected_launch_s=projection.record["launch_s"],
+    projected_launch_s=projection.point.breakdown["other_s"],
     notes=notes,
   )
   return kernels, "; ".join(notes)

@@ -42,6 +42,7 @@ import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
 from experiments import mlperf_llama31_405b, overrides  # noqa: E402
 from hardware import catalog  # noqa: E402
+from measure import host_calibration  # noqa: E402
 from projection import (  # noqa: E402
   aot_compile,
   collective_timing,
@@ -50,6 +51,8 @@ from projection import (  # noqa: E402
   project,
   step_loops,
 )
+from projection.plan import Target, plan  # noqa: E402
+from records.points import to_json  # noqa: E402
 from reference import mlperf_gpt3  # noqa: E402
 from report import table  # noqa: E402
 
@@ -120,11 +123,13 @@ def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
 def analyse(exp, hw_name: str, gpus: int) -> dict:
   """The projection record, and its timing and pipeline-loop memory-bound work as if it fit."""
   start = time.perf_counter()
-  record = project.project(exp, hw_name, gpus)
-  hw = project.hardware(hw_name, gpus)
+  hw = host_calibration.hardware(hw_name, gpus)
+  target = plan(exp, hw, gpus)
+  reduced = target.reduced
+  # The calibration is the reference: the whole step compiled.
+  record = to_json(project.project(exp, target, "full"))
   unlimited = dataclasses.replace(hw, hbm_gib=1e9)
-  reduced = project.plan(exp, hw, gpus)
-  if_fit = project.project_on(exp, unlimited, reduced)
+  if_fit = to_json(project.project(exp, Target(unlimited, reduced), "full"))
   timer = collective_timing.collective_timer(reduced, hw)
   step, _ = aot_compile.compiled_program(exp, hw, reduced, timer)
   virtual = exp.train.virtual_stages if reduced.sizes.get("pipeline", 1) > 1 else 1
@@ -248,7 +253,7 @@ def main() -> None:
     bench = BENCHMARKS[args.benchmark]
     hardware = args.hardware.split(",") if args.hardware else list(bench.generations)
     for name in hardware:
-      project.hardware(name)
+      host_calibration.hardware(name)
     exp = overrides.apply(experiments.load(bench.experiment), args.set)
     exp.model.validate()
     exp.train.validate()

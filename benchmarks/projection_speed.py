@@ -74,7 +74,9 @@ def _in_process(kernel_cache: str) -> list[tuple[str, float]]:
 
   platform_env.configure(512)  # as launch.py: host devices for a fallback compile
   import experiments  # pylint: disable=import-outside-toplevel
+  from measure import host_calibration  # pylint: disable=import-outside-toplevel
   from projection import project  # pylint: disable=import-outside-toplevel
+  from projection.plan import plan  # pylint: disable=import-outside-toplevel
 
   exp = experiments.load("gpt3")
   rows = [("start-up: imports, jax and its devices", time.perf_counter() - start)]
@@ -84,10 +86,10 @@ def _in_process(kernel_cache: str) -> list[tuple[str, float]]:
     ("h100 x 1024 on the same compile", 1024),
   ):
     start = time.perf_counter()
-    record = project.project(exp, "h100", gpus)
+    record = project.project(exp, plan(exp, host_calibration.hardware("h100"), gpus), "full")
     rows.append(
       (
-        f"{label} [step {record['step_time_s']:.1f} s, compile {record['compile_s']:.1f} s]",
+        f"{label} [step {record.step_time_s:.1f} s, compile {record.compile_s:.1f} s]",
         time.perf_counter() - start,
       )
     )

@@ -464,7 +464,7 @@ _BY_NAME: dict[str, Hardware] = {hw.name: hw for hw in _CATALOG}
 
 def names() -> list[str]:
   """Names of the GPU entries, in catalog order (oldest first): the one list of them.
-  This machine's measured profile ('host') is not an entry: projection/host_calibration.py
+  This machine's measured profile ('host') is not an entry: measure/host_calibration.py
   makes it."""
   return [hw.name for hw in _CATALOG]
 

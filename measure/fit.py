@@ -8,8 +8,8 @@ import jax
 
 from errors import UserInputError
 from hardware import catalog
+from measure import rates
 from parallelism import mesh as mesh_lib
-from train import loop
 from train import step as train_step
 
 
@@ -83,7 +83,7 @@ def check_state_memory(program: train_step.TrainProgram, model_name: str, device
 def peak_tflops_per_device(devices: list, dtype: str) -> tuple[float, str]:
   """The MFU denominator and where it comes from."""
   if devices[0].platform == "cpu":
-    host = loop.measure_matmul_tflops(dtype)
+    host = rates.measure_matmul_tflops(dtype)
     return host / len(devices), (
       f"measured: {dtype} 2048^3 matmul on this host, "
       f"{host * 1e3:.0f} GFLOP/s shared by {len(devices)} CPU devices"

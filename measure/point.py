@@ -11,14 +11,14 @@ import datetime
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 
 from errors import UserInputError
-from measure import fit
+from measure import fit, rates
 from model.flops import param_count, train_flops_per_token
 from parallelism import mesh as mesh_lib
 from parallelism import one_f_one_b, pipeline
 from records.points import MeasuredPoint
-from report import points as printers
 from train import hooks as hooks_lib
 from train import loop
 from train import step as train_step
@@ -38,12 +38,16 @@ class PointOptions:
   keep_checkpoints: int = 3
   resume_from: int | None = None  # a checkpoint's step; None: the newest not known bad
   hooks: tuple = ()  # more step hooks, after TensorBoard's
-  show: bool = True  # print the mesh and the pipeline schedule before compiling
+  # Called before compiling with the mesh, the platform, the pipeline's record fields and
+  # its trips (modes/ print them there); measuring prints nothing itself.
+  announce: Callable[[mesh_lib.MeshLayout, str, dict, str], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class PointRun:
-  record: MeasuredPoint | None  # None: no output_dir, or nothing left to run
+  # None: no output_dir, or nothing left to run (no step times: the checkpoint is at the
+  # run's last step)
+  record: MeasuredPoint | None
   result: loop.RunResult
   program: train_step.TrainProgram
   layout: mesh_lib.MeshLayout
@@ -105,10 +109,8 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
   layout, program = build_point(exp, devices)
   stages = layout.sizes["pipeline"]
   pipeline_record, trips = pipeline_fields(exp, stages, program.micro_batches)
-  if options.show:
-    print(printers.mesh_table(layout, devices[0].platform))
-    if pipeline_record:
-      print(printers.pipeline_table(pipeline_record, stages, trips))
+  if options.announce is not None:
+    options.announce(layout, devices[0].platform, pipeline_record, trips)
   peak, peak_source = 0.0, ""
   if options.output_dir is not None:
     peak, peak_source = fit.peak_tflops_per_device(devices, exp.model.compute_dtype)
@@ -146,13 +148,7 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
     profile_dir = os.path.join(options.output_dir or "runs", "profile")
     hooks.append(hooks_lib.ProfileHook(profile_dir, *profile))
   result = loop.run(program, exp.model, exp.train, checkpoints, hooks)
-  if not result.step_times_s:
-    print(
-      f"\nnothing left to run: the checkpoint in {options.checkpoint_dir} is at step "
-      f"{result.first_step}, the run has {exp.train.warmup_steps + exp.train.steps}"
-    )
-    return PointRun(None, result, program, layout)
-  if options.output_dir is None:
+  if not result.step_times_s or options.output_dir is None:
     return PointRun(None, result, program, layout)
   tokens_per_step = exp.train.global_batch * exp.model.seq_len
   record = MeasuredPoint(
@@ -173,7 +169,7 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
     remat=exp.model.remat,
     platform=devices[0].platform,
     device_kind=devices[0].device_kind,
-    **loop.summarize(
+    **rates.summarize(
       result, tokens_per_step, layout.devices, train_flops_per_token(exp.model), peak
     ),
     peak_source=peak_source,

@@ -7,8 +7,12 @@ import experiments
 import platform_env
 from errors import UserInputError
 from experiments import overrides
+from hardware.catalog import Hardware
+from measure import host_calibration
 from measure.point import PointOptions
-from projection import project
+from parallelism.mesh import MeshLayout
+from projection.plan import Target, plan
+from report import points as printers
 from report import results
 from train import checkpoint as checkpoint_lib
 
@@ -35,6 +39,12 @@ class Options:
   resume_from: int | None = None
   sets: tuple[str, ...] = ()  # --set KEY=VALUE, in order
 
+  @property
+  def how(self) -> str:
+    """How every projected point's program is had (projection/project.py): the same in
+    every mode, `full` with --full_compile."""
+    return "full" if self.full_compile else "auto"
+
 
 def experiment(
   options: Options,
@@ -58,8 +68,16 @@ def experiment(
   return exp
 
 
+def announce(layout: MeshLayout, platform: str, pipeline_record: dict, trips: str) -> None:
+  """A measured point's mesh and pipeline schedule, printed before it compiles."""
+  print(printers.mesh_table(layout, platform))
+  if pipeline_record:
+    print(printers.pipeline_table(pipeline_record, layout.sizes["pipeline"], trips))
+
+
 def point_options(options: Options) -> PointOptions:
   return PointOptions(
+    announce=announce,
     output_dir=options.output_dir,
     profile_steps=options.profile_steps,
     checkpoint_dir=options.checkpoint_dir,
@@ -108,16 +126,22 @@ def hardware_names(options: Options) -> tuple[str, ...]:
   return tuple(name.strip().lower() for name in options.hardware)
 
 
-def projection_points(options: Options, check_plan: bool = True) -> list[tuple[str, int]]:
-  """Every (hardware, gpus) point, all checked before the first compile (with
-  `check_plan`, the experiment's own layout on each)."""
+def hardware_points(options: Options) -> list[tuple[Hardware, int]]:
+  """Every (hardware, gpus) point of --hardware x --gpus, the names checked."""
   if not options.gpus or not options.hardware:
     raise UserInputError(
       f"--{'gpus' if not options.gpus else 'hardware'}: empty; give at least one, comma-separated"
     )
-  points = [(name, gpus) for name in hardware_names(options) for gpus in gpu_counts(options)]
-  for name, gpus in points:
-    hw = project.hardware(name, gpus)
-    if check_plan:
-      project.plan(experiment(options, "project", gpus=gpus, hardware=name), hw, gpus)
+  counts = gpu_counts(options)
+  names = hardware_names(options)
+  return [(host_calibration.hardware(name, gpus), gpus) for name in names for gpus in counts]
+
+
+def projection_points(options: Options) -> list[tuple[experiments.ExperimentConfig, Target]]:
+  """Every point's experiment and its target, each planned once and all before the first
+  compile."""
+  points = []
+  for hw, gpus in hardware_points(options):
+    exp = experiment(options, "project", gpus=gpus, hardware=hw.name)
+    points.append((exp, plan(exp, hw, gpus)))
   return points

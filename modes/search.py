@@ -5,20 +5,23 @@ import time
 
 import tqdm
 
-from modes.options import Options, experiment, projection_points
+from modes.options import Options, experiment, hardware_points
 from projection import search
+from projection.plan import check_gpus
+from records.points import ProjectedPoint
 from report import points as printers
 from report import results
 
 
-def run(options: Options) -> list[dict]:
+def run(options: Options) -> list[ProjectedPoint]:
   """Search each point: every valid configuration ranked by the prior, the first
   --search_budget projected and appended, the best --top printed; every projected record."""
-  points = projection_points(options, check_plan=False)
-  for name, gpus in points:
-    search.check_point(name, gpus)
+  points = hardware_points(options)
+  for hw, gpus in points:
+    check_gpus(hw, gpus)
   searches = []
-  for name, gpus in points:
+  for hw, gpus in points:
+    name = hw.name
     exp = experiment(options, "project", gpus=gpus, hardware=name)
     start = time.perf_counter()
     bars: list[tqdm.tqdm] = []  # made at the first projection: bad input prints nothing else
@@ -34,9 +37,10 @@ def run(options: Options) -> list[dict]:
     try:
       found = search.search(
         exp,
-        name,
+        hw,
         gpus,
         options.search_budget,
+        options.how,
         progress=step,
         on_record=lambda r: results.append(options.output_dir, r, stamp=True),
       )

@@ -14,7 +14,13 @@ def run(options: Options) -> list[MeasuredPoint]:
   """Train (or time, in benchmark mode) the experiment; append and print its record
   (process 0 of a multi-process run only)."""
   exp = experiment(options, options.mode)
-  record = run_point(exp, options.mode, fit.devices(options.devices), point_options(options)).record
+  run = run_point(exp, options.mode, fit.devices(options.devices), point_options(options))
+  if not run.result.step_times_s:
+    print(
+      f"\nnothing left to run: the checkpoint in {options.checkpoint_dir} is at step "
+      f"{run.result.first_step}, the run has {exp.train.warmup_steps + exp.train.steps}"
+    )
+  record = run.record
   if record is None or jax.process_index() != 0:
     return []
   path = results.append(options.output_dir, record)

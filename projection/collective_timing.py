@@ -43,15 +43,18 @@ def exposed_comm_by_axis_s(
   hw: Hardware,
   reduced: layout.ReducedMesh,
   collective_s: Callable[[hlo.Collective], float],
+  step_s: float | None = None,
 ) -> dict[str, float]:
   """Exposed communication by the mesh axes its collectives run along: how much shorter
   the step would be if that axis's collectives were free (the parts need not add up to
-  exposed_comm_s: one collective can hide behind another)."""
+  exposed_comm_s: one collective can hide behind another). `step_s`: the program's step
+  as cost_model.simulate gave it, where the caller has simulated it already."""
   axes = {}
   for node, _ in hlo.collectives(program):
     groups = node.pairs if node.kind == "collective-permute" else node.groups
     axes[node.name] = layout.axes_of(groups, reduced) if groups else "none"
-  step_s = cost_model.simulate(program.entry, hw, collective_s).step_s
+  if step_s is None:
+    step_s = cost_model.simulate(program.entry, hw, collective_s).step_s
   out = {}
   for axis in sorted(set(axes.values())):
     free = lambda n, axis=axis: 0.0 if axes[n.name] == axis else collective_s(n)

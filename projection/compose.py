@@ -8,17 +8,18 @@ its embedding and head see. What each trip runs, one chunk of `layers_per_chunk`
 forward and backward with its collective-permutes, is fixed by the tensor / sequence
 parallelism, micro-batch, remat and precision.
 
-So `project` compiles pieces: the real train step at the target's tensor, pipeline and
+So `composed` compiles pieces: the real train step at the target's tensor, pipeline and
 per-chunk configuration, with P x V' x C layers (C = layers per chunk) and M' micro-batches,
 for two or three (V', M') that `piece_shapes` picks, on the reduced mesh (data 2,
 projection/layout.py). The target runs the first piece's loops at its own trip counts
 (`at_trips`); what runs outside the loops (the update and the data-parallel collectives,
 which grow with the layers a stage holds, V C; the embedding and loss head, which grow
 with M) and memory are read off the pieces as linear in V and M (`_extrapolate`). Every
-part is costed as projection/project.py costs it: cost_model.simulate with the
-collectives re-placed on the target cluster (collective_timing), the bubble as
-step_loops.bubble_s. Memory is linear too: a rank's residual slots are V P + 2 P - 1
-for V >= 2 and two groups or more (one_f_one_b.schedule), P V for one group.
+part is costed as a whole program is (projection/record.py's costed): cost_model.simulate
+with the collectives re-placed on the target cluster (collective_timing), the bubble as
+step_loops.bubble_s reads it from that simulation. Memory is linear too: a rank's
+residual slots are V P + 2 P - 1 for V >= 2 and two groups or more
+(one_f_one_b.schedule), P V for one group.
 
 The pieces' analyses are cached on disk (`$JAX_SCALING_COMPOSE_CACHE`, else a folder
 beside XLA's kernel cache, projection/kernel_cache.py), keyed by what the compiled
@@ -27,8 +28,8 @@ the GPU and the jax version. The data size is not in the key: a piece's latency 
 (aot_compile.latency_profile) is taken on the reduced mesh itself, and its collectives
 are re-placed on the target when costed, as in a full projection.
 
-The full compile (projection/project.py) stays the reference; benchmarks/compose_check.py
-prints the two side by side.
+The full compile (projection/project.py, `how="full"`) stays the reference;
+benchmarks/compose_check.py prints the two side by side.
 """
 
 import dataclasses
@@ -51,14 +52,16 @@ from projection import (
   layout,
   step_loops,
 )
-from projection import project as full
+from projection.plan import Target, plan
+from projection.record import Compiled, Timing, record, target_memory_gb
+from records.points import Composition, ProjectedPoint
 
 # Near HBM capacity XLA's scheduler overlaps less in the whole step than in its pieces,
 # and the composition reads low: memory up to 20.9% under the full compile's
 # (benchmarks/compose_check.py's random check, docs/validation.md), step time up to 2x
 # (GPT-3 175B, H100 512, TP 4 PP 16 VS 6 mb 2 remat none: 16.8 s and 74 GB composed,
 # 23.1 s and 84.8 GB whole). So a composed point whose memory is over this share of the
-# capacity (1 - 0.209) is compiled whole where a sweep or a search uses it.
+# capacity (1 - 0.209) is compiled whole where `how="auto"` (projection/project.py).
 NEAR_CAPACITY = 0.79
 # The cached pieces' layout (Piece): a change of it makes new keys.
 _FORMAT = 2
@@ -124,37 +127,6 @@ def composes(exp, reduced: layout.ReducedMesh) -> bool:
   )
 
 
-def _near_capacity(record: dict) -> bool:
-  return record["memory_per_gpu_gb"] > NEAR_CAPACITY * record["hbm_capacity_gb"]
-
-
-def _compiled_whole(composed: dict, whole: dict) -> dict:
-  """The full compile's record, with what the composition had said."""
-  whole["composed_estimate"] = {
-    "step_time_s": composed.get("step_time_s"),
-    "memory_per_gpu_gb": composed["memory_per_gpu_gb"],
-    "why_compiled_whole": f"composed memory over {NEAR_CAPACITY:.0%} of HBM capacity",
-  }
-  return whole
-
-
-def project_any(exp, hw_name: str, gpus: int) -> dict:
-  """Composed where `exp` composes and is clear of HBM capacity (NEAR_CAPACITY), else the
-  full compile (projection/project.py): what sweeps run by default."""
-  hw = full.hardware(hw_name, gpus)
-  return project_any_on(exp, hw, full.plan(exp, hw, gpus))
-
-
-def project_any_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
-  """`project_any` on a planned target (also the search's projector in sweeps)."""
-  if not composes(exp, reduced):
-    return full.project_on(exp, hw, reduced)
-  record = project_on(exp, hw, reduced)
-  if _near_capacity(record):
-    return _compiled_whole(record, full.project_on(exp, hw, reduced))
-  return record
-
-
 def _check(exp, reduced: layout.ReducedMesh) -> None:
   stages = reduced.sizes.get("pipeline", 1)
   if stages < 2 or exp.train.pipeline_schedule != "1f1b":
@@ -190,7 +162,7 @@ def _canonical(exp, hw: Hardware, reduced: layout.ReducedMesh) -> layout.Reduced
     tensor=reduced.sizes["tensor"],
     pipeline=reduced.sizes["pipeline"],
   )
-  return full.plan(dataclasses.replace(exp, mesh=mesh), hw, block * data)
+  return plan(dataclasses.replace(exp, mesh=mesh), hw, block * data).reduced
 
 
 def _key(
@@ -331,16 +303,11 @@ def _extrapolate(
   return out
 
 
-def project(exp, hw_name: str, gpus: int) -> dict:
-  """A projection record of `exp` on `gpus` GPUs of `hw_name`, composed from pieces: a
-  records.points.ProjectedPoint as projection/project.py's `record` assembles it, with
-  `composition` (the pieces' shapes, layers per chunk, whether they were cached)."""
-  hw = full.hardware(hw_name, gpus)
-  return project_on(exp, hw, full.plan(exp, hw, gpus))
-
-
-def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
-  """`project` on a planned target (`reduced`, projection/project.py's plan)."""
+def composed(exp, target: Target) -> ProjectedPoint:
+  """The projection of `exp` on `target` composed from pieces (`how="composed"`): a
+  ProjectedPoint as projection/record.py assembles it, with its `composition` (the
+  pieces' shapes, layers per chunk, whether they were cached)."""
+  hw, reduced = target.hardware, target.reduced
   _check(exp, reduced)
   target = reduced.target
   stages = target.sizes["pipeline"]
@@ -360,41 +327,40 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
   outside = [_split(p.program)[0] for p in found]
   loops = _split(at_trips(found[0].program, micro, stages, virtual))[1]
 
-  def composed(of) -> float:
+  def summed(of) -> float:
     return _extrapolate([of(p) for p in outside], shapes, virtual, groups) + of(loops)
 
-  def timing() -> full.Timing:
+  def timing() -> Timing:
+    # Each part simulated once; the bubble is read from the loops' simulation.
     fields = len(dataclasses.astuple(cost_model.ZERO))
-    costs = {
-      id(p): dataclasses.astuple(cost_model.simulate(p.entry, hw, timer)) for p in (*outside, loops)
-    }
-    cost = cost_model.StepCost(*(composed(lambda p, i=i: costs[id(p)][i]) for i in range(fields)))
+    trip_s: dict[str, float] = {}
+    simulated = {id(p): cost_model.simulate(p.entry, hw, timer, trip_s) for p in (*outside, loops)}
+    costs = {k: dataclasses.astuple(v) for k, v in simulated.items()}
+    cost = cost_model.StepCost(*(summed(lambda p, i=i: costs[id(p)][i]) for i in range(fields)))
     by_axis = {
-      id(p): collective_timing.exposed_comm_by_axis_s(p, hw, reduced, timer)
+      id(p): collective_timing.exposed_comm_by_axis_s(
+        p, hw, reduced, timer, simulated[id(p)].step_s
+      )
       for p in (*outside, loops)
     }
     axes = sorted(set().union(*by_axis.values()))
-    return full.Timing(
+    return Timing(
       cost,
-      step_loops.bubble_s(loops, hw, timer, micro, stages, virtual),
-      {a: composed(lambda p, a=a: by_axis[id(p)].get(a, 0.0)) for a in axes},
+      step_loops.bubble_s(loops, hw, timer, micro, stages, virtual, trip_s),
+      {a: summed(lambda p, a=a: by_axis[id(p)].get(a, 0.0)) for a in axes},
     )
 
   memory = _extrapolate([p.memory_per_device_bytes for p in found], shapes, virtual, groups)
   split_state = _extrapolate([p.data_sharded_state_bytes for p in found], shapes, virtual, groups)
-  compiled = full.Compiled(
+  compiled = Compiled(
     found[0].compile_target,
     found[0].compile_note,
     0.0 if cached else sum(p.compile_s for p in found),
-    composed(hlo.total_flops),
-    composed(hlo.dot_flops),
-    full.target_memory_gb(memory, split_state, reduced),
+    summed(hlo.total_flops),
+    summed(hlo.dot_flops),
+    target_memory_gb(memory, split_state, reduced),
     hlo.uses_fp8(found[0].program),
     hlo.uses_fp4(found[0].program),
   )
-  composition = {
-    "pieces": [list(s) for s in shapes],
-    "layers_per_chunk": layers_per_chunk(exp, stages),
-    "cached": cached,
-  }
-  return full.record(exp, hw, reduced, compiled, timing, composition)
+  composition = Composition([list(s) for s in shapes], layers_per_chunk(exp, stages), cached)
+  return record(exp, hw, reduced, compiled, timing, "composed", composition)

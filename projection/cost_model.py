@@ -79,8 +79,13 @@ def op_time_s(op: hlo.Compute, hw: Hardware) -> float:
 
 
 def simulate(
-  nodes: Iterable[hlo.Node], hw: Hardware, collective_s: Callable[[hlo.Collective], float]
+  nodes: Iterable[hlo.Node],
+  hw: Hardware,
+  collective_s: Callable[[hlo.Collective], float],
+  trip_s: dict[str, float] | None = None,
 ) -> StepCost:
+  """The program's cost; with `trip_s`, each loop's time per trip is written there by the
+  loop's name (what projection/step_loops.py's bubble_s reads of the same simulation)."""
   launch_s = hw.kernel_launch_us * 1e-6
   now = comm_free = 0.0
   compute = exposed = other = comm = memory_bound = 0.0
@@ -110,7 +115,10 @@ def simulate(
         exposed += finish - now
         now = finish
     elif isinstance(node, hlo.Loop):
-      body = simulate(node.body, hw, collective_s).scaled(node.trip_count)
+      trip = simulate(node.body, hw, collective_s, trip_s)
+      if trip_s is not None:
+        trip_s[node.name] = trip.step_s
+      body = trip.scaled(node.trip_count)
       total = total + body
       now += body.step_s
       comm_free = max(comm_free, now)

@@ -1,7 +1,10 @@
-"""Project an experiment's train step onto N GPUs of a given generation.
+"""Project an experiment's train step onto N GPUs of a given generation: `project`, the one
+call every mode, sweep, search and benchmark makes, on a target planned once
+(projection/plan.py).
 
 1. Lay the experiment's mesh over the target cluster and shrink its data axis and its
-   gradient accumulation to get a program that compiles here (`plan`, projection/layout.py).
+   gradient accumulation to get a program that compiles here (`plan.plan`,
+   projection/layout.py).
 2. Compile the real train step for that mesh, for the target GPU itself, deviceless, or on
    host CPU devices when JAX's CUDA plugin or a target config is missing; with
    `latency_profile`, once more with the first program's projected latency profile
@@ -9,10 +12,19 @@
 3. Run the compiled program's gradient-accumulation or pipeline loops as many times as the
    target has micro-batches (projection/step_loops.py), place each collective's replica group
    on the full cluster and cost it (projection/collective_timing.py), and run the
-   two-stream cost model (projection/cost_model.py).
+   two-stream cost model once (projection/cost_model.py; the bubble is read from the same
+   simulation).
 4. Assemble the record: memory against HBM, and, when it fits, step time, MFU and the
-   breakdown, with the pipeline's bubble (`record`, which projection/compose.py's
+   breakdown, with the pipeline's bubble (projection/record.py, which projection/compose.py's
    composed programs go through too).
+
+How the program is had (`how`, recorded in the point):
+  full      the whole step compiled (steps 2-3): the reference.
+  composed  a 1F1B pipelined step composed from compiled pieces cached on disk
+            (projection/compose.py): a few small compiles for a what-if.
+  auto      composed where the step composes (a 1F1B pipeline of whole chunks) and its
+            composed memory is clear of HBM capacity (compose.NEAR_CAPACITY), else full.
+            The default of every mode; `--full_compile` is `full`.
 
 Compiles are cached by everything they depend on. The compiled program's data axis and
 micro-batch count do not depend on the GPU count, so every GPU count of one experiment
@@ -20,82 +32,48 @@ micro-batch count do not depend on the GPU count, so every GPU count of one expe
 """
 
 import dataclasses
-from collections.abc import Callable
 
-from errors import UserInputError
-from hardware import catalog
-from hardware.catalog import Hardware
-from model.flops import param_count, train_flops_per_token
-from projection import (
-  aot_compile,
-  collective_timing,
-  cost_model,
-  hlo,
-  host_calibration,
-  layout,
-  step_loops,
-)
-from records.points import ProjectedPoint, to_json
+from projection import aot_compile, collective_timing, compose, hlo, step_loops
+from projection.plan import Target
+from projection.record import GB, Compiled, costed, record, target_memory_gb
+from records.points import ComposedEstimate, ProjectedPoint
 
-GB = 1e9
+HOWS = ("auto", "full", "composed")
 
 
-def hardware(name: str, gpus: int = 1) -> Hardware:
-  """A catalog entry; 'host' is this machine's profile with `gpus` CPU devices active."""
-  if name.strip().lower() == "host":
-    return host_calibration.host_profile(devices=gpus)
-  try:
-    return catalog.get(name)
-  except ValueError:
-    raise UserInputError(
-      f"--hardware: unknown hardware {name!r}; known: {', '.join(catalog.names() + ['host'])}"
-    ) from None
+def project(exp, target: Target, how: str = "auto") -> ProjectedPoint:
+  """The projection of `exp` on `target` (projection/plan.py's plan), its program had as
+  `how` says (module docstring); the point records the way taken."""
+  if how == "full" or (how == "auto" and not compose.composes(exp, target.reduced)):
+    return whole(exp, target)
+  if how == "composed":
+    return compose.composed(exp, target)
+  if how != "auto":
+    raise ValueError(f"how: one of {', '.join(HOWS)}, got {how!r}")
+  point = compose.composed(exp, target)
+  if point.memory_per_gpu_gb <= compose.NEAR_CAPACITY * point.hbm_capacity_gb:
+    return point
+  estimate = ComposedEstimate(
+    point.step_time_s,
+    point.memory_per_gpu_gb,
+    f"composed memory over {compose.NEAR_CAPACITY:.0%} of HBM capacity",
+  )
+  return dataclasses.replace(whole(exp, target), composed_estimate=estimate)
 
 
-def plan(exp, hw: Hardware, gpus: int) -> layout.ReducedMesh:
-  """The target layout and its reduced mesh; bad input raises before anything compiles."""
-  formats = exp.model.block_scaling
-  if formats != "none" and hw.name in catalog.names() and formats not in hw.block_scaled_formats:
-    blackwell = [h for h in catalog.names() if formats in catalog.get(h).block_scaled_formats]
-    raise UserInputError(
-      f"model.block_scaling = {formats}: {hw.name} has no block-scaled tensor cores "
-      f"(GPUs that do: {', '.join(blackwell)}); use precision=fp8 or bf16"
-    )
-  try:
-    domain = layout.rack_aligned_domain(exp.mesh, gpus, hw.gpus_per_node, hw.nvlink_domain_size)
-    target = layout.target_layout(exp.mesh, gpus, hw.gpus_per_node, domain)
-    return layout.reduce(target, exp.train)
-  except UserInputError as e:
-    raise UserInputError(f"--gpus {gpus} on {hw.name}: {e}") from None
-
-
-def project(exp, hw_name: str, gpus: int) -> dict:
-  """One projection record for `exp` on `gpus` GPUs of `hw_name`."""
-  hw = hardware(hw_name, gpus)
-  return project_on(exp, hw, plan(exp, hw, gpus))
-
-
-def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
-  """The projection record of `exp` on `reduced.target`, compiled as `reduced` says (tests
-  pass a `reduced` equal to the target to compare against a direct compile): a
-  records.points.ProjectedPoint as its JSON object (a dict: the search adds its keys)."""
-  target = reduced.target
+def whole(exp, target: Target) -> ProjectedPoint:
+  """The projection of `exp` on `target` with the whole step compiled (`how="full"`; tests
+  pass a target whose reduced mesh is the target itself to compare against a direct
+  compile)."""
+  hw, reduced = target.hardware, target.reduced
   timer = collective_timing.collective_timer(reduced, hw)
   step, compile_s = aot_compile.compiled_program(exp, hw, reduced, timer)
-  stages = target.sizes.get("pipeline", 1)
+  stages = reduced.target.sizes.get("pipeline", 1)
   virtual = exp.train.virtual_stages if stages > 1 else 1
   program = step_loops.with_micro_batches(
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual
   )
   memory_gb = target_memory_gb(step.memory_per_device_bytes, step.data_sharded_state_bytes, reduced)
-
-  def timing() -> Timing:
-    return Timing(
-      cost_model.simulate(program.entry, hw, timer),
-      step_loops.bubble_s(program, hw, timer, reduced.micro_batches, stages, virtual),
-      collective_timing.exposed_comm_by_axis_s(program, hw, reduced, timer),
-    )
-
   compiled = Compiled(
     step.compile_target,
     step.note,
@@ -106,126 +84,34 @@ def project_on(exp, hw: Hardware, reduced: layout.ReducedMesh) -> dict:
     hlo.uses_fp8(program),
     hlo.uses_fp4(program),
   )
-  return record(exp, hw, reduced, compiled, timing)
+  timing = lambda: costed(program, hw, reduced, timer, reduced.micro_batches, stages, virtual)
+  return record(exp, hw, reduced, compiled, timing, "full")
 
 
-def target_memory_gb(
-  compiled_bytes: float, data_sharded_bytes: float, reduced: layout.ReducedMesh
-) -> float:
-  """A device's memory on the target from the reduced mesh's: the state split over `data`
-  shrinks as the target's data axis is larger."""
-  data_growth = reduced.target.sizes["data"] / reduced.sizes["data"]
-  return (compiled_bytes - data_sharded_bytes * (1 - 1 / data_growth)) / GB
-
-
-@dataclasses.dataclass(frozen=True)
-class Compiled:
-  """What a record reads of the program it projects, compiled whole or composed of pieces
-  (projection/compose.py): per device on the target."""
-
-  compile_target: str
-  compile_note: str | None
-  compile_s: float
-  flops: float
-  matmul_flops: float
-  memory_gb: float
-  uses_fp8: bool
-  uses_fp4: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-  """The program costed on the target: the step, its bubble and its exposed
-  communication by mesh axis."""
-
-  cost: cost_model.StepCost
-  bubble_s: float
-  exposed_comm_by_axis_s: dict[str, float]
-
-
-def record(
+def of_program(
   exp,
-  hw: Hardware,
-  reduced: layout.ReducedMesh,
-  compiled: Compiled,
-  timing: Callable[[], Timing],
-  composition: dict | None = None,
-) -> dict:
-  """The ProjectedPoint of `compiled` on `reduced.target` as its JSON object; `timing` is
-  called only when the program fits in HBM."""
-  target = reduced.target
-  gpus = target.devices
-  tokens_per_step = exp.train.global_batch * exp.model.seq_len
-  capacity_gb = hw.hbm_bytes / GB
-  point = dict(
-    mode="project",
-    experiment=exp.name,
-    model=exp.model.name,
-    params=param_count(exp.model),
-    hardware=hw.name,
-    devices=gpus,
-    nodes=target.nodes,
-    mesh=target.sizes,
-    mesh_nvlink=target.nvlink,
-    mesh_infiniband=target.infiniband,
-    compiled_mesh=reduced.sizes,
-    global_batch=exp.train.global_batch,
-    micro_batches=reduced.micro_batches,
-    compiled_micro_batches=reduced.compiled_micro_batches,
-    seq_len=exp.model.seq_len,
-    tokens_per_step=tokens_per_step,
-    compute_dtype=exp.model.compute_dtype,
-    remat=exp.model.remat,
-    compile_target=compiled.compile_target,
-    compile_note=compiled.compile_note,
-    compile_s=round(compiled.compile_s, 3),
-    hlo_flops_per_device=compiled.flops,
-    hlo_flops_per_step=compiled.flops * gpus,
-    hlo_matmul_flops_per_step=compiled.matmul_flops * gpus,
-    memory_per_gpu_gb=compiled.memory_gb,
-    hbm_capacity_gb=capacity_gb,
-    fits=compiled.memory_gb <= capacity_gb,
-    peak_tflops_per_device=hw.peak_tflops("bf16"),
-    composition=composition,
+  target: Target,
+  program: hlo.Program,
+  memory_bytes: float,
+  compile_s: float,
+  compile_target: str,
+) -> ProjectedPoint:
+  """The projection of a program the caller compiled for the target's whole mesh and
+  batch (a measured step's own, benchmarks/gpu_check.py): costed and recorded as `whole`
+  does, without a deviceless compile (`how="full"`)."""
+  hw, reduced = target.hardware, target.reduced
+  timer = collective_timing.collective_timer(reduced, hw)
+  stages = reduced.target.sizes.get("pipeline", 1)
+  virtual = exp.train.virtual_stages if stages > 1 else 1
+  compiled = Compiled(
+    compile_target,
+    None,
+    compile_s,
+    hlo.total_flops(program),
+    hlo.dot_flops(program),
+    memory_bytes / GB,
+    hlo.uses_fp8(program),
+    hlo.uses_fp4(program),
   )
-  if not point["fits"]:
-    return to_json(ProjectedPoint(**point, over_capacity_gb=compiled.memory_gb - capacity_gb))
-
-  timed = timing()
-  cost = timed.cost
-  tokens_per_s = tokens_per_step / cost.step_s
-  model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
-  if compiled.uses_fp8 and hw.peak_tflops("fp8"):
-    point["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
-  if compiled.uses_fp4 and hw.peak_tflops("fp4"):
-    point["mfu_fp4"] = model_tflops / hw.peak_tflops("fp4")
-  if exp.benchmark is not None:
-    # An evaluation is a forward pass: a third of the model's training FLOPs, against
-    # the compiled step's FLOPs (which include recomputation).
-    forward = train_flops_per_token(exp.model) / 3 * tokens_per_step / point["hlo_flops_per_step"]
-    point["time_to_train"] = exp.benchmark.estimate(cost.step_s, exp.train.global_batch, forward)
-    point["time_to_train_min"] = point["time_to_train"]["time_to_train_min"]
-  return to_json(
-    ProjectedPoint(
-      **point,
-      step_time_s=cost.step_s,
-      tokens_per_s=tokens_per_s,
-      tokens_per_s_per_device=tokens_per_s / gpus,
-      model_tflops_per_device=model_tflops,
-      mfu=model_tflops / hw.peak_tflops("bf16"),
-      # bubble_s: the pipeline's idle trips, a part of the step that the other three
-      # also cover (its ops and waits are counted there too).
-      # memory_bound_s is the part of compute_s whose time HBM traffic sets, the rest
-      # being matmuls (and any op) at the FLOP rate; exposed_comm_by_axis_s splits
-      # exposed_comm_s by the mesh axes of its collectives.
-      breakdown={
-        "compute_s": cost.compute_s,
-        "exposed_comm_s": cost.exposed_comm_s,
-        "other_s": cost.other_s,
-        "bubble_s": timed.bubble_s,
-        "memory_bound_s": cost.memory_bound_s,
-        "exposed_comm_by_axis_s": timed.exposed_comm_by_axis_s,
-      },
-      comm_s=cost.comm_s,
-    )
-  )
+  timing = lambda: costed(program, hw, reduced, timer, reduced.micro_batches, stages, virtual)
+  return record(exp, hw, reduced, compiled, timing, "full")

@@ -13,7 +13,7 @@ For one experiment on N GPUs of one generation:
    passes. Data parallelism takes the rest of the GPUs; fsdp, the global batch and
    everything else stay as the experiment has them.
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
-   candidate that survives would compile: `project.plan` (the mesh on the cluster, the
+   candidate that survives would compile: `plan.plan` (the mesh on the cluster, the
    NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
    micro-batches per pass for interleaving, in groups of the stages for 1f1b; FP8 delayed
    scaling only under 1f1b), and `train_step.build` on an abstract mesh (heads, MLP width
@@ -22,10 +22,10 @@ For one experiment on N GPUs of one generation:
    (exact, from their shardings) exceed the GPU's HBM is pruned too.
 3. Order the rest by a cheap analytic prior (`Prior`): first those estimated to fit,
    then by estimated step time.
-4. Project candidates in that order (`project.project_on`, whose compiles are cached)
-   until `budget` compiles are spent, after a configuration the caller includes (a
-   best-configuration sweep: the point's own). The best are the fastest projected ones
-   that fit.
+4. Project candidates in that order (projection/project.py's `project`, as `how` says;
+   compiles are cached) until `budget` projections are spent, after a configuration the
+   caller includes (a best-configuration sweep: the point's own). The best are the
+   fastest projected ones that fit.
 
 The prior only orders; every reported number is a projection.
 """
@@ -43,8 +43,10 @@ from hardware.catalog import Hardware
 from model.config import REMAT_POLICIES
 from model.flops import param_count, train_flops_per_token
 from parallelism import gradients, one_f_one_b, pipeline, sharding
-from parallelism.mesh import AXES, MeshConfig
+from parallelism.mesh import AXES
 from projection import aot_compile, layout, project
+from projection.plan import Target, check_gpus, plan
+from records.points import ProjectedPoint, SearchChoice
 from train import step as train_step
 
 GB = 1e9
@@ -159,15 +161,15 @@ class Result:
   hardware: str
   gpus: int
   ranking: "Ranking"  # every candidate checked; the survivors in the order projected
-  records: tuple[dict, ...]  # projections, in the order made
+  records: tuple[ProjectedPoint, ...]  # projections, in the order made, each with `search`
   compiles: int  # new compiles those projections needed
 
-  def best(self, top: int) -> list[dict]:
+  def best(self, top: int) -> list[ProjectedPoint]:
     """The `top` fastest records that fit; if none fits, the `top` least over capacity."""
-    fitting = sorted((r for r in self.records if r["fits"]), key=lambda r: r["step_time_s"])
+    fitting = sorted((r for r in self.records if r.fits), key=lambda r: r.step_time_s)
     if fitting:
       return fitting[:top]
-    return sorted(self.records, key=lambda r: r["over_capacity_gb"])[:top]
+    return sorted(self.records, key=lambda r: r.over_capacity_gb)[:top]
 
 
 def candidate_of(exp) -> Candidate:
@@ -320,7 +322,7 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
     total += 1
     cand_exp = candidate.apply(exp)
     try:
-      reduced = project.plan(cand_exp, hw, gpus)
+      reduced = plan(cand_exp, hw, gpus).reduced
       stages = reduced.target.sizes["pipeline"]
       if stages > 1:
         micro = reduced.micro_batches
@@ -365,34 +367,29 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
   return Ranking(total, dict(pruned.most_common()), examples, tuple(survivors))
 
 
-Projector = Callable[[object, Hardware, layout.ReducedMesh], dict]
-
-
-def check_point(hw_name: str, gpus: int) -> Hardware:
-  """The hardware, once the GPU count is a whole number of its nodes (any candidate's own
-  layout is checked by `rank`)."""
-  hw = project.hardware(hw_name, gpus)
-  layout.target_layout(MeshConfig(), gpus, hw.gpus_per_node, hw.nvlink_domain_size)
-  return hw
+# (experiment, target, how) -> its projection: projection/project.py's `project`.
+Projector = Callable[[object, Target, str], ProjectedPoint]
 
 
 def search(
   exp,
-  hw_name: str,
+  hw: Hardware,
   gpus: int,
   budget: int = DEFAULT_BUDGET,
-  projector: Projector = project.project_on,
+  how: str = "auto",
+  projector: Projector | None = None,
   progress: Callable[[int, int, Candidate], None] | None = None,
-  on_record: Callable[[dict], None] | None = None,
+  on_record: Callable[[ProjectedPoint], None] | None = None,
   include: Candidate | None = None,
 ) -> Result:
-  """Search `exp`'s parallelism on `gpus` GPUs of `hw_name`, projecting at most `budget`
-  candidates (tests pass a `projector` that does not compile), and `include` first where
-  it is valid, whatever its prior. `progress(done, to_do, candidate)` is called before
-  each projection, `on_record(record)` after it."""
+  """Search `exp`'s parallelism on `gpus` GPUs of `hw`, projecting at most `budget`
+  candidates as `how` says (tests pass a `projector` that does not compile), and `include`
+  first where it is valid, whatever its prior. `progress(done, to_do, candidate)` is
+  called before each projection, `on_record(record)` after it."""
   if budget < 1:
     raise UserInputError(f"--search_budget must be a positive whole number, got {budget}")
-  hw = check_point(hw_name, gpus)
+  check_gpus(hw, gpus)
+  projector = projector or project.project
   ranking = rank(exp, hw, gpus)
   if not ranking.survivors:
     reasons = "; ".join(f"{n} by {why}" for why, n in ranking.pruned.items())
@@ -412,31 +409,32 @@ def search(
     _, estimate, reduced = ranking.survivors[rank_of[candidate]]
     if progress:
       progress(i, len(chosen), candidate)
-    record = projector(candidate.apply(exp), hw, reduced)
-    record["search"] = {
-      "prior_rank": rank_of[candidate],
-      "included": candidate == include,
-      "set": list(candidate.assignments()),
-      "tensor_parallel": candidate.tensor_parallel,
-      "context_parallel": candidate.context_parallel,
-      "pipeline_parallel": candidate.pipeline_parallel,
-      "virtual_stages": candidate.virtual_stages,
-      "micro_batch": candidate.micro_batch,
-      "pipeline_passes": candidate.pipeline_passes,
-      "schedule": (
+    choice = SearchChoice(
+      prior_rank=rank_of[candidate],
+      included=candidate == include,
+      set=list(candidate.assignments()),
+      tensor_parallel=candidate.tensor_parallel,
+      context_parallel=candidate.context_parallel,
+      pipeline_parallel=candidate.pipeline_parallel,
+      virtual_stages=candidate.virtual_stages,
+      micro_batch=candidate.micro_batch,
+      pipeline_passes=candidate.pipeline_passes,
+      schedule=(
         candidate.schedule
         if candidate.pipeline_passes == 1
         else f"{candidate.schedule} x {candidate.pipeline_passes}"
       ),
-      "remat": candidate.remat,
-      "prior_step_s": estimate.step_s,
-      "prior_memory_gb": estimate.memory_gb,
-      "prior_bubble_fraction": estimate.bubble_fraction,
-      "candidates": ranking.candidates,
-      "pruned": ranking.pruned,
-      "valid": len(ranking.survivors),
-      "budget": budget,
-    }
+      remat=candidate.remat,
+      prior_step_s=estimate.step_s,
+      prior_memory_gb=estimate.memory_gb,
+      prior_bubble_fraction=estimate.bubble_fraction,
+      candidates=ranking.candidates,
+      pruned=ranking.pruned,
+      valid=len(ranking.survivors),
+      budget=budget,
+    )
+    point = projector(candidate.apply(exp), Target(hw, reduced), how)
+    record = dataclasses.replace(point, search=choice)
     records.append(record)
     if on_record:
       on_record(record)

@@ -127,6 +127,7 @@ def bubble_s(
   micro_batches: int,
   stages: int,
   virtual_stages: int,
+  trip_s: dict[str, float] | None = None,
 ) -> float:
   """Seconds of the pipeline's idle trips: each pipeline loop runs micro_batches / passes
   x virtual_stages busy trips and stages - 1 idle ones (fill and drain) per pass, every trip the
@@ -135,7 +136,16 @@ def bubble_s(
 
   The 1f1b schedule's loops run a forward and a backward chunk a trip, and every rank
   idles stages - 1 trips of each kind: as many trips of its fill loop (forward only) and
-  of its drain loop (backward only)."""
+  of its drain loop (backward only).
+
+  `trip_s`: each loop's time per trip as cost_model.simulate of the program wrote it; the
+  loops are simulated here without it."""
+
+  def trip(loop: hlo.Loop) -> float:
+    if trip_s is not None:
+      return trip_s[loop.name]
+    return cost_model.simulate(loop.body, hw, collective_s).step_s
+
   fill, drain = (_top_loops(program, op) for op in (_FILL_OP, _DRAIN_OP))
   if fill or drain:
     plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
@@ -145,8 +155,7 @@ def bubble_s(
         f"{[n.trip_count for n in fill + drain]} trips, not the schedule's "
         f"{plan.delay} and {plan.drain_trips}"
       )
-    trip_s = lambda loop: cost_model.simulate(loop.body, hw, collective_s).step_s
-    return (stages - 1) * (trip_s(fill[0]) + trip_s(drain[0]))
+    return (stages - 1) * (trip(fill[0]) + trip(drain[0]))
   loops = pipeline_passes(program)
   if stages > 1 and not loops:
     raise RuntimeError(
@@ -163,5 +172,5 @@ def bubble_s(
         f"{per_pass} x {virtual_stages} + {stages} - 1 of the schedule"
       )
     idle = loop.trip_count - per_pass * virtual_stages
-    total += passes * idle * cost_model.simulate(loop.body, hw, collective_s).step_s
+    total += passes * idle * trip(loop)
   return total

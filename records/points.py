@@ -15,7 +15,8 @@ OLD_KEYS = {"gpus": "devices", "tokens_per_s_per_gpu": "tokens_per_s_per_device"
 
 
 def to_json(record: Any) -> dict:
-  """The record as the JSON object results.jsonl holds (a dict passes through)."""
+  """The record as the JSON object results.jsonl holds (a dict passes through); records
+  nested in it become objects too."""
   if isinstance(record, dict):
     return record
   out = {}
@@ -23,8 +24,22 @@ def to_json(record: Any) -> dict:
     value = getattr(record, field.name)
     if value is None and field.default is None:
       continue
-    out[field.name] = value
+    out[field.name] = _plain(value)
   return out
+
+
+def _plain(value: Any) -> Any:
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return to_json(value)
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  return value
+
+
+def from_json(cls: type, obj: dict) -> Any:
+  """A record of type `cls` from a JSON object (keys of other records left out)."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  return cls(**{k: v for k, v in obj.items() if k in names})
 
 
 def upgrade(record: dict) -> dict:
@@ -83,6 +98,64 @@ class MeasuredPoint:
 
 
 @dataclasses.dataclass(frozen=True)
+class Composition:
+  """A step composed from compiled pieces (projection/compose.py): the pieces' (virtual
+  stages, groups), the layers per chunk, whether the pieces came from the disk cache."""
+
+  pieces: list[list[int]]
+  layers_per_chunk: int
+  cached: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedEstimate:
+  """What the composition said of a point that `how="auto"` then compiled whole."""
+
+  step_time_s: float | None
+  memory_per_gpu_gb: float
+  why_compiled_whole: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchProjected:
+  """One configuration a best-configuration sweep point's search projected."""
+
+  set: list[str]
+  included: bool
+  fits: bool
+  step_time_s: float | None
+  memory_per_gpu_gb: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchChoice:
+  """The configuration a search projected (projection/search.py): its `--set`
+  assignments, its place in the prior's order and the prior's estimates, and the search's
+  counts (candidates enumerated, pruned by reason, valid, the budget)."""
+
+  prior_rank: int
+  included: bool  # the configuration the caller included (a sweep point's own)
+  set: list[str]
+  tensor_parallel: int
+  context_parallel: int
+  pipeline_parallel: int
+  virtual_stages: int
+  micro_batch: int
+  pipeline_passes: int
+  schedule: str
+  remat: str
+  prior_step_s: float
+  prior_memory_gb: float
+  prior_bubble_fraction: float
+  candidates: int
+  pruned: dict[str, int]
+  valid: int
+  budget: int
+  # A best-configuration sweep's point: every configuration its search projected.
+  projected: list[SearchProjected] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ProjectedPoint:
   """One experiment's train step compiled and costed on `devices` GPUs of `hardware`."""
 
@@ -107,6 +180,7 @@ class ProjectedPoint:
   compile_target: str
   compile_note: str | None
   compile_s: float
+  how: str  # "full" (compiled whole) or "composed" (projection/project.py)
   hlo_flops_per_device: float
   hlo_flops_per_step: float
   hlo_matmul_flops_per_step: float
@@ -115,9 +189,9 @@ class ProjectedPoint:
   fits: bool
   peak_tflops_per_device: float  # dense BF16
   over_capacity_gb: float | None = None  # when it does not fit
-  # Composed from compiled pieces (projection/compose.py): the pieces' (virtual stages,
-  # groups), layers per chunk and whether they came from the disk cache.
-  composition: dict | None = None
+  composition: Composition | None = None
+  composed_estimate: ComposedEstimate | None = None
+  search: SearchChoice | None = None
   # When it fits:
   mfu_fp8: float | None = None  # against the FP8 peak, for programs with FP8 matmuls
   mfu_fp4: float | None = None  # against the FP4 peak, for programs with NVFP4 matmuls
@@ -129,6 +203,6 @@ class ProjectedPoint:
   model_tflops_per_device: float | None = None
   mfu: float | None = None
   # compute_s, exposed_comm_s, other_s, bubble_s, memory_bound_s, exposed_comm_by_axis_s
-  # (their meaning: projection/project.py).
+  # (their meaning: projection/record.py).
   breakdown: dict | None = None
   comm_s: float | None = None

@@ -1,7 +1,7 @@
 """The terminal tables of measured and projected points (launch.py's modes print them)."""
 
 from parallelism import mesh as mesh_lib
-from projection import search
+from records.points import to_json
 from report import table
 
 
@@ -54,8 +54,10 @@ def measured_table(record) -> str:
   return "\n" + table.key_values(f"Result ({r.mode})", rows)
 
 
-def projection_table(records: list[dict]) -> str:
-  """Projected points (records.points.ProjectedPoint objects as JSON) of one experiment."""
+def projection_table(records: list) -> str:
+  """Projected points (records.points.ProjectedPoint, or their JSON objects) of one
+  experiment."""
+  records = [to_json(r) for r in records]
   headers = (
     "hardware",
     "gpus",
@@ -105,8 +107,9 @@ def projection_table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
-  """One point's search: what was pruned and why, and the `top` best projected."""
+def search_table(exp, found, wall_s: float, top: int) -> str:
+  """One point's search (`found`, projection/search.py's Result): what was pruned and why,
+  and the `top` best projected."""
   ranking = found.ranking
   pruned = sum(ranking.pruned.values())
   lines = [
@@ -118,7 +121,7 @@ def search_table(exp, found: search.Result, wall_s: float, top: int) -> str:
   ]
   for reason, count in ranking.pruned.items():
     lines.append(f"  pruned {count:>6,}: {reason} (e.g. {ranking.examples[reason]})")
-  best = found.best(top)
+  best = [to_json(r) for r in found.best(top)]
   if not (best and best[0]["fits"]):
     lines.append(f"none of the {len(found.records)} projected fits; the least over capacity:")
   headers = [

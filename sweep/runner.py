@@ -18,11 +18,12 @@ from collections.abc import Callable
 import tqdm
 
 from errors import UserInputError
-from measure import fit
+from measure import fit, host_calibration
 from measure.point import PointOptions, run_point
 from parallelism import mesh as mesh_lib
-from projection import compose, layout, project, search
-from records.points import to_json
+from projection import layout, project, search
+from projection.plan import plan
+from records.points import SearchProjected, to_json
 from report import results
 from sweep import metrics
 from sweep.definitions import Sweep
@@ -64,7 +65,7 @@ def point_key(exp, sweep: Sweep, point: Point, full_compile: bool = False) -> st
 def _replicas(exp, sweep: Sweep, point: Point) -> int:
   """Data-parallel replicas (data x fsdp) of the experiment's mesh at this point."""
   if sweep.mode == "project":
-    hw = project.hardware(point.hardware, point.devices)
+    hw = host_calibration.hardware(point.hardware, point.devices)
     sizes = layout.target_layout(
       exp.mesh, point.devices, hw.gpus_per_node, hw.nvlink_domain_size
     ).sizes
@@ -95,33 +96,25 @@ def _measure(exp, devices: int, options: PointOptions) -> dict:
   return dict(to_json(measured))
 
 
-def _best_of_search(exp, sweep: Sweep, point: Point, full_compile: bool) -> dict:
+def _best_of_search(exp, sweep: Sweep, point: Point, how: str) -> dict:
   """The projection of the best configuration at `point` (the least over capacity if none
   fits) of `exp`'s own and the search's first `sweep.search_budget`; its `search` entry
   says which it is, and `projected` what else was projected and how fast."""
   found = search.search(
     exp,
-    point.hardware,
+    host_calibration.hardware(point.hardware, point.devices),
     point.devices,
     sweep.search_budget,
-    projector=project.project_on if full_compile else compose.project_any_on,
+    how,
     include=search.candidate_of(exp),
   )
-  record = dict(found.best(1)[0])
-  record["search"] = {
-    **record["search"],
-    "projected": [
-      {
-        "set": r["search"]["set"],
-        "included": r["search"]["included"],
-        "fits": r["fits"],
-        "step_time_s": r.get("step_time_s"),
-        "memory_per_gpu_gb": r["memory_per_gpu_gb"],
-      }
-      for r in found.records
-    ],
-  }
-  return record
+  best = found.best(1)[0]
+  projected = [
+    SearchProjected(r.search.set, r.search.included, r.fits, r.step_time_s, r.memory_per_gpu_gb)
+    for r in found.records
+  ]
+  choice = dataclasses.replace(best.search, projected=projected)
+  return to_json(dataclasses.replace(best, search=choice))
 
 
 def _run_point(
@@ -134,11 +127,12 @@ def _run_point(
 ) -> dict:
   try:
     point_exp = point_experiment(base, at_target(point.hardware, point.devices), sweep, point)
+    how = "full" if full_compile else "auto"
     if sweep.mode == "project" and sweep.search_budget:
-      record = _best_of_search(point_exp, sweep, point, full_compile)
+      record = _best_of_search(point_exp, sweep, point, how)
     elif sweep.mode == "project":
-      projector = project.project if full_compile else compose.project_any
-      record = projector(point_exp, point.hardware, point.devices)
+      hw = host_calibration.hardware(point.hardware, point.devices)
+      record = to_json(project.project(point_exp, plan(point_exp, hw, point.devices), how))
     else:
       record = _measure(point_exp, point.devices, options)
   except UserInputError as e:
@@ -181,9 +175,9 @@ def run(
   `exp` names the sweep and fingerprints its configuration; `at_target(hardware, n)` is
   the experiment as n devices of that hardware run it (default: `exp` everywhere); a
   measured point runs with `options` (default: TensorBoard scalars in `output_dir`). A
-  projected 1f1b point is composed from cached pieces (projection/compose.py) unless
-  `full_compile`; a searched sweep's point is the best its search projects (each
-  candidate projected the same way).
+  projected point is projected `how="auto"` (projection/project.py: a 1f1b point composed
+  from cached pieces) or, with `full_compile`, `how="full"`; a searched sweep's point is
+  the best its search projects (each candidate projected the same way).
   """
   at_target = at_target or (lambda _hardware, _devices: exp)
   options = options or PointOptions(output_dir=output_dir)

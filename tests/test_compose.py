@@ -4,10 +4,11 @@ pipelined GPT deviceless on H100, and its disk cache of compiled pieces."""
 import dataclasses
 
 import pytest
+from projected import projected
 
 from errors import UserInputError
 from parallelism.mesh import MeshConfig
-from projection import aot_compile, compose, project, targets
+from projection import aot_compile, compose, targets
 from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
@@ -37,8 +38,8 @@ def toy(toy_experiment):
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
 def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, monkeypatch):
   monkeypatch.setenv(compose.CACHE_ENV, str(tmp_path))
-  composed = compose.project(toy, "h100", 64)
-  reference = project.project(toy, "h100", 64)
+  composed = projected(toy, "h100", 64, "composed")
+  reference = projected(toy, "h100", 64)
   assert composed["composition"]["cached"] is False
   assert composed["micro_batches"] == reference["micro_batches"] == 8
   # The target runs the first piece's loop bodies at its own trip counts; what differs is
@@ -56,7 +57,7 @@ def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, mon
     raise AssertionError("a cached piece was compiled again")
 
   monkeypatch.setattr(aot_compile, "compiled_program", no_compile)
-  again = compose.project(toy, "h100", 64)
+  again = projected(toy, "h100", 64, "composed")
   assert again["composition"]["cached"] is True
   assert again["step_time_s"] == composed["step_time_s"]  # same pieces, same arithmetic
 
@@ -66,4 +67,4 @@ def test_lockstep_schedules_are_not_composed(toy):
     toy, train=dataclasses.replace(toy.train, pipeline_schedule="interleaved")
   )
   with pytest.raises(UserInputError, match="1f1b"):
-    compose.project(lockstep, "h100", 64)
+    projected(lockstep, "h100", 64, "composed")

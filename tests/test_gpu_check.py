@@ -41,12 +41,14 @@ def test_dry_run_measures_and_projects_every_configuration(dry_run):
     for value in (r["compile_s"], r["step_time_s"], r["mfu"]):
       assert _positive(value), r
     p = r["projected"]
+    b = p["breakdown"]
     assert p["hardware"] == "h200"
-    for key in ("step_time_s", "mfu", "compute_s", "launch_s", "hlo_flops", "kernels"):
-      assert _positive(p[key]), (key, p)
-    assert 0 <= p["memory_bound_s"] <= p["compute_s"]
+    values = {**p, **b, **r["projected_program"]}
+    for key in ("step_time_s", "mfu", "compute_s", "other_s", "hlo_flops_per_device", "kernels"):
+      assert _positive(values[key]), (key, p)
+    assert 0 <= b["memory_bound_s"] <= b["compute_s"]
     # The step is at least its ops and their launches (one device: no collectives).
-    assert p["step_time_s"] >= p["compute_s"] + p["launch_s"] - 1e-12  # float sums
+    assert p["step_time_s"] >= b["compute_s"] + b["other_s"] - 1e-12  # float sums
     assert math.isfinite(r["error_vs_measured"])
   by_name = {r["config"]: r for r in configs}
   assert by_name["remat"]["remat"] == "full" and by_name["fp8"]["fp8"]

@@ -93,8 +93,7 @@ def test_entries_are_frozen_data():
 
 
 def test_host_profile_measures_caches_and_reloads(tmp_path, monkeypatch):
-  from hardware import host
-  from projection import host_calibration
+  from measure import host, host_calibration
 
   path = tmp_path / "host_profile.json"
   hw = host_calibration.host_profile(cache_path=path, quick=True)
@@ -133,7 +132,7 @@ def test_host_profile_measures_caches_and_reloads(tmp_path, monkeypatch):
 
 
 def test_host_profile_feeds_the_cost_model(tmp_path):
-  from projection import host_calibration
+  from measure import host_calibration
   from projection.collectives import collective_time_s
 
   hw = host_calibration.host_profile(devices=2, cache_path=tmp_path / "p.json", quick=True)
@@ -146,12 +145,11 @@ def test_host_profile_feeds_the_cost_model(tmp_path):
 
 
 def test_projection_hardware_host_uses_the_cache(tmp_path, monkeypatch):
-  from hardware import host
-  from projection import host_calibration, project
+  from measure import host, host_calibration
 
   monkeypatch.setenv(host.CACHE_ENV, str(tmp_path / "env.json"))
   monkeypatch.setattr(host_calibration, "_measure", lambda quick, devices: _fake_figures())
-  hw = project.hardware("host")
+  hw = host_calibration.hardware("host")
   assert hw.name == "host" and (tmp_path / "env.json").exists()
   assert hw.peak_bf16_tflops == pytest.approx(0.02)
 

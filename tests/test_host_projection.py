@@ -5,8 +5,7 @@ the 25% claim; this is a coarse guard that still fails if the projection is 2x o
 import pytest
 
 from benchmarks import closing_the_loop
-from hardware import host
-from projection import host_calibration, project
+from measure import host, host_calibration
 
 # One mesh with collectives (fsdp: gathers and reductions every layer) on two devices: each
 # point compiles its train step twice (measured and projected), the cost of this test.
@@ -67,7 +66,7 @@ def test_profile_is_per_active_device_count(tmp_path, monkeypatch):
   """One cached profile per number of active devices, whatever the CPU device count."""
   monkeypatch.setenv(host.CACHE_ENV, str(tmp_path / "p.json"))
   monkeypatch.setattr(host_calibration, "_measure", _fake_measure)
-  one, four = project.hardware("host", 1), project.hardware("host", 4)
+  one, four = host_calibration.hardware("host", 1), host_calibration.hardware("host", 4)
   assert "device_count" not in host.machine_identity()
   assert one.achievable_f32_tflops == pytest.approx(4 * four.achievable_f32_tflops)
   # launch.py's emulated nodes (half the devices each), all in one memory: one domain.
@@ -77,7 +76,7 @@ def test_profile_is_per_active_device_count(tmp_path, monkeypatch):
   assert four.protocols[0].nvlink_hop_us == pytest.approx(5.0)
   assert host_calibration.host_profile(devices=4) == four  # the same cached profile
   monkeypatch.setattr(host_calibration, "_measure", None)  # both now come from the cache
-  assert project.hardware("host", 4) == four
+  assert host_calibration.hardware("host", 4) == four
 
 
 def test_more_active_devices_than_exist_is_an_error(tmp_path):

@@ -1,5 +1,5 @@
 """The import contract (pyproject.toml's import-linter layers) holds: no import points back
-up the chain launch > modes > experiments > sweep > measure > report > projection > train >
+up the chain launch > modes > experiments > sweep > measure > projection | report > train >
 model > parallelism > hardware | reference | records."""
 
 import os

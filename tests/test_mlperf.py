@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from projected import projected
 
 import experiments
 from errors import UserInputError
@@ -30,10 +31,10 @@ from projection import (
   cost_model,
   hlo,
   layout,
-  project,
   step_loops,
   targets,
 )
+from projection.plan import plan as plan_target
 from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
@@ -172,15 +173,15 @@ def test_fp8_dot_compiled_for_h100_runs_at_the_fp8_rate():
 def test_nvl72_replicas_are_rack_aligned():
   gpt3 = experiments.load("gpt3")  # fsdp 8 x tensor 8: 64-GPU replicas
   gb200 = catalog.get("gb200")
-  reduced = project.plan(gpt3, gb200, 512)
+  reduced = plan_target(gpt3, gb200, 512).reduced
   assert reduced.target.nvlink_domain == 64  # 16 of each rack's 18 trays
   fsdp_groups = tuple(tuple(range(t, 64, 8)) for t in range(8))
   placements = layout.target_group_domains(fsdp_groups, reduced)
   assert all(len(set(domains)) == 1 for domains in placements)
   # Tensor 4 or 8 alone tiles a whole rack.
   tp8 = dataclasses.replace(gpt3, mesh=dataclasses.replace(gpt3.mesh, fsdp=1))
-  assert project.plan(tp8, gb200, 768).target.nvlink_domain == 72
-  assert project.plan(gpt3, H100, 512).target.nvlink_domain == 8
+  assert plan_target(tp8, gb200, 768).reduced.target.nvlink_domain == 72
+  assert plan_target(gpt3, H100, 512).reduced.target.nvlink_domain == 8
 
 
 # ----------------------------------------------------------------------------- attention
@@ -264,7 +265,7 @@ def test_split_optimizer_gathers_the_fp8_kernels_casts_over_data_on_h100(toy_exp
     fp8=True,
     fp8_amax_history=16,
   )
-  reduced = project.plan(exp, H100, 8)
+  reduced = plan_target(exp, H100, 8).reduced
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   program = aot_compile.compile_step(
     exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8
@@ -290,9 +291,9 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops(toy_exper
       global_batch=16, micro_batch=1, pipeline_schedule="interleaved", virtual_stages=2
     ),
   )
-  record = project.project(exp, "h100", 8)
+  record = projected(exp, "h100", 8)
   assert (record["micro_batches"], record["compiled_micro_batches"]) == (4, 4)
-  reduced = project.plan(exp, H100, 8)
+  reduced = plan_target(exp, H100, 8).reduced
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   program = aot_compile.compile_step(
     exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8
@@ -324,7 +325,7 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops(toy_exper
   )
   assert [(loop.trip_count, repeats) for loop, repeats in passes] == [(5, 2), (5, 2)]
   loops_s = sum(cost_model.simulate((loop,), H100, timer).step_s for loop, _ in passes)
-  two_passes_bubble = project.project(two, "h100", 8)["breakdown"]["bubble_s"]
+  two_passes_bubble = projected(two, "h100", 8)["breakdown"]["bubble_s"]
   assert two_passes_bubble == pytest.approx(2 * loops_s / 5)
   # 1f1b, 4 micro-batches in 2 groups: a forward-only fill of V P + P - 1 = 5 trips, one
   # group's steady loop of P V = 4 trips, a backward-only drain of 5; each rank idles
@@ -337,7 +338,7 @@ def test_bubble_is_the_idle_trips_share_of_the_compiled_pipeline_loops(toy_exper
   loops = step_loops.pipeline_passes(program)
   assert [(loop.trip_count, repeats) for loop, repeats in loops] == [(5, 1), (4, 1), (5, 1)]
   fill, _, drain = (cost_model.simulate(loop.body, H100, timer).step_s for loop, _ in loops)
-  record = project.project(one_f, "h100", 8)
+  record = projected(one_f, "h100", 8)
   assert record["breakdown"]["bubble_s"] == pytest.approx(fill + drain)
   # The same memory as those 2 passes (2 micro-batches in flight), half their idle trips.
   assert record["breakdown"]["bubble_s"] < two_passes_bubble * 0.75

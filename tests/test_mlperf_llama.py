@@ -11,6 +11,7 @@ written in another order than the code's.
 import dataclasses
 
 import pytest
+from projected import projected
 
 import experiments
 from errors import UserInputError
@@ -20,7 +21,8 @@ from hardware import catalog
 from model import flops
 from model.config import preset
 from parallelism import pipeline
-from projection import aot_compile, hlo, project, targets
+from projection import aot_compile, hlo, targets
+from projection.plan import plan as plan_target
 from reference import mlperf_llama31_405b as published
 
 V50, V51 = mlperf.BENCHMARKS["v5.0"], mlperf.BENCHMARKS["v5.1"]
@@ -200,7 +202,7 @@ def test_the_published_layout_compiles_for_h100_with_masked_cudnn_attention():
     train=dataclasses.replace(exp.train, global_batch=8, virtual_stages=1),
     latency_profile=False,
   )
-  reduced = project.plan(exp, catalog.get("h100"), 16)
+  reduced = plan_target(exp, catalog.get("h100"), 16).reduced
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   compiled = aot_compile.compile_step(exp.model, train_cfg, tuple(reduced.sizes.items()), "h100", 8)
   assert compiled.compile_target == "cuda"
@@ -235,7 +237,7 @@ def test_405b_at_the_published_eos_layout_compiles_fits_and_counts_the_formulas_
   as the published run does, and its matmul FLOPs are the formula's for this layout."""
   exp = experiments.at_target(experiments.load("mlperf_llama31_405b"), 8192, "h100")
   exp = dataclasses.replace(exp, latency_profile=False)  # one compile, not two
-  record = project.project(exp, "h100", 8192)
+  record = projected(exp, "h100", 8192)
   assert record["compile_target"] == "cuda" and record["fits"]
   assert 40 < record["memory_per_gpu_gb"] < record["hbm_capacity_gb"]
   P, V = exp.mesh.pipeline, exp.train.virtual_stages

@@ -23,6 +23,7 @@ from collections import Counter
 
 import jax
 import pytest
+from projected import projected
 
 import experiments
 from errors import UserInputError
@@ -43,6 +44,9 @@ from projection import (
   step_loops,
   targets,
 )
+from projection.plan import Target
+from projection.plan import plan as plan_target
+from records.points import to_json
 from train import step as train_step
 from train.config import TrainConfig
 
@@ -75,7 +79,7 @@ def _with_batch(exp: ExperimentConfig, global_batch: int) -> ExperimentConfig:
 
 def _direct(exp: ExperimentConfig, gpus: int) -> dict:
   """The projection from a compile of the whole target mesh and all its micro-batches."""
-  reduced = project.plan(exp, H100, gpus)
+  reduced = plan_target(exp, H100, gpus).reduced
   whole = layout.ReducedMesh(
     reduced.target,
     reduced.target.sizes,
@@ -83,7 +87,7 @@ def _direct(exp: ExperimentConfig, gpus: int) -> dict:
     reduced.micro_batches,
     reduced.micro_batches,
   )
-  return project.project_on(exp, H100, whole)
+  return to_json(project.whole(exp, Target(H100, whole)))
 
 
 def _rel(a: float, b: float) -> float:
@@ -99,7 +103,7 @@ def test_data_axis_2_extended_to_16_matches_a_compile_at_16(small):
   # a replicated optimizer's all-reduces the same way, with micro-batches.)
   exp = _with_batch(small, 64)
   exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, shard_optimizer=True))
-  extended, direct = project.project(exp, "h100", 128), _direct(exp, 128)
+  extended, direct = projected(exp, "h100", 128), _direct(exp, 128)
   assert (extended["compiled_mesh"]["data"], direct["compiled_mesh"]["data"]) == (2, 16)
   assert extended["micro_batches"] == extended["compiled_micro_batches"] == 2
   # Two programs: XLA schedules the bigger compile's overlap a little differently.
@@ -116,7 +120,7 @@ def test_data_axis_2_extended_to_16_matches_a_compile_at_16(small):
 @deviceless
 def test_gpu_counts_share_one_compile_and_match_a_direct_compile(small):
   before = aot_compile.compile_step.cache_info()
-  r64, r128 = project.project(small, "h100", 64), project.project(small, "h100", 128)
+  r64, r128 = projected(small, "h100", 64), projected(small, "h100", 128)
   after = aot_compile.compile_step.cache_info()
   assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
   assert (
@@ -139,12 +143,12 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile(small):
 
 @deviceless
 def test_over_capacity_is_reported_without_a_step_time(small):
-  fits = project.project(small, "h100", 128)
+  fits = projected(small, "h100", 128)
   assert fits["fits"] and fits["step_time_s"] > 0 and "over_capacity_gb" not in fits
   # The same program on an H100 with 1 MiB of memory (compile_step's cache is keyed by
   # the hardware's name, so this reuses the compile above).
   tiny = dataclasses.replace(H100, hbm_gib=1 / 1024)
-  record = project.project_on(small, tiny, project.plan(small, tiny, 128))
+  record = to_json(project.project(small, plan_target(small, tiny, 128), "full"))
   assert record["memory_per_gpu_gb"] > record["hbm_capacity_gb"]
   assert record["fits"] is False
   assert record["over_capacity_gb"] == pytest.approx(
@@ -156,7 +160,7 @@ def test_over_capacity_is_reported_without_a_step_time(small):
 @deviceless
 def test_gpt3_175b_matmul_flops_match_the_analytical_count():
   exp = experiments.load("gpt3")
-  record = project.project(exp, "h100", 512)
+  record = projected(exp, "h100", 512)
   assert (record["micro_batches"], record["compiled_micro_batches"]) == (24, 2)
   expected = matmul_flops_per_step(exp.model, exp.train.global_batch)
   # The formula counts the model's matmuls; the HLO also has the attention's and remat's
@@ -172,7 +176,7 @@ def test_latency_profile_names_the_instructions_xla_schedules(small, capfd, monk
   # while-loop condition, which XLA does not schedule, may be missing).
   monkeypatch.setattr(aot_compile.platform_env, "captured_stderr", contextlib.nullcontext)
   exp = dataclasses.replace(small, latency_profile=True)
-  reduced = project.plan(exp, H100, 256)
+  reduced = plan_target(exp, H100, 256).reduced
   timer = collective_timing.collective_timer(reduced, H100)
   untuned, _ = aot_compile.compiled_program(
     dataclasses.replace(exp, latency_profile=False), H100, reduced, timer
@@ -227,7 +231,7 @@ def test_with_micro_batches_sets_only_the_named_loop():
 def test_plan_reduces_any_data_size_and_checks_the_micro_batch():
   gpt3 = experiments.load("gpt3")
   for gpus, data, reduced_data, micro in [(64, 1, 1, 192), (192, 3, 2, 64), (1024, 16, 2, 12)]:
-    reduced = project.plan(gpt3, H100, gpus)
+    reduced = plan_target(gpt3, H100, gpus).reduced
     assert reduced.target.sizes["data"] == data and reduced.sizes["data"] == reduced_data
     assert (reduced.micro_batches, reduced.compiled_micro_batches) == (micro, 2)
     assert reduced.global_batch == reduced_data * 8 * 2  # replicas x 2 micro-batches of 1
@@ -237,15 +241,15 @@ def test_plan_reduces_any_data_size_and_checks_the_micro_batch():
     match="train.micro_batch = 5 does not divide the 24 "
     "sequences per data-parallel replica of 512 GPUs",
   ):
-    project.plan(five, H100, 512)
+    plan_target(five, H100, 512).reduced
   # A group along data (partitions 0 and 64 of the 2 x 8 x 8 reduced mesh) grows to 3.
-  reduced = project.plan(gpt3, H100, 192)
+  reduced = plan_target(gpt3, H100, 192).reduced
   (domains,) = layout.target_group_domains(((0, 64),), reduced)
   assert len(domains) == 3 and len(set(domains)) == 3  # three nodes over InfiniBand
 
 
 def test_groups_straddling_nvl72_racks_are_costed_at_the_slowest():
-  # 64-GPU replicas laid over whole 72-GPU NVL72 racks (project.plan keeps them inside
+  # 64-GPU replicas laid over whole 72-GPU NVL72 racks (plan keeps them inside
   # racks instead, tests/test_mlperf.py): replica 0's fsdp groups sit in rack 0, later
   # replicas straddle two racks, so the same all-gather crosses InfiniBand there.
   gb200, gpt3 = catalog.get("gb200"), experiments.load("gpt3")

@@ -19,6 +19,7 @@ from hardware import catalog
 from model.config import REMAT_POLICIES
 from parallelism.mesh import MeshConfig
 from projection import search, targets
+from records.points import ProjectedPoint, to_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CUDA, _WHY = targets.cuda_available()
@@ -152,28 +153,38 @@ def _fake_projector(fitting_remat: set[str]):
   """Records without a compile: fitting for the given remat policies, a made-up step time
   that orders them otherwise than the prior does."""
 
-  def project(exp, hw, reduced):
+  def project(exp, target, how):
     fits = exp.model.remat in fitting_remat
     record = {
       "fits": fits,
-      "mesh": reduced.target.sizes,
+      "mesh": target.reduced.target.sizes,
       "memory_per_gpu_gb": 1.0,
-      "hbm_capacity_gb": hw.hbm_bytes / 1e9,
+      "hbm_capacity_gb": target.hardware.hbm_bytes / 1e9,
     }
     if fits:
       record["step_time_s"] = 1.0 + 0.1 * exp.train.micro_batch + (exp.model.remat == "full")
     else:
       record["over_capacity_gb"] = float(exp.train.micro_batch)
-    return record
+    return _point(**record)
 
   return project
+
+
+def _point(**fields) -> ProjectedPoint:
+  """A ProjectedPoint of `fields`, the rest placeholders."""
+  names = [f.name for f in dataclasses.fields(ProjectedPoint) if f.name not in fields]
+  return ProjectedPoint(**{name: None for name in names}, **fields)
+
+
+def _json(records) -> list[dict]:
+  return [to_json(r) for r in records]
 
 
 def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first(small):
   appended = []
   found = search.search(
     small,
-    "h100",
+    H100,
     8,
     budget=7,
     projector=_fake_projector({"save_dots", "elementwise", "full"}),
@@ -182,21 +193,21 @@ def test_budget_is_honoured_and_the_fastest_that_fits_ranks_first(small):
   assert len(found.records) == 7 and found.compiles == 0
   assert appended == list(found.records)
   # Projected in prior order, each record marked as a search point.
-  assert [r["search"]["prior_rank"] for r in found.records] == list(range(7))
-  assert [r["search"]["set"] for r in found.records] == [
+  assert [r["search"]["prior_rank"] for r in _json(found.records)] == list(range(7))
+  assert [r["search"]["set"] for r in _json(found.records)] == [
     list(c.assignments()) for c, _, _ in found.ranking.survivors[:7]
   ]
-  assert all(r["search"]["valid"] == len(found.ranking.survivors) for r in found.records)
-  fitting = [r for r in found.records if r["fits"]]
+  assert all(r["search"]["valid"] == len(found.ranking.survivors) for r in _json(found.records))
+  fitting = [r for r in _json(found.records) if r["fits"]]
   assert 2 < len(fitting) < 7
-  best = found.best(2)
+  best = _json(found.best(2))
   assert best == sorted(fitting, key=lambda r: r["step_time_s"])[:2]
   assert all(best[0]["step_time_s"] <= r["step_time_s"] for r in fitting)
   assert best[0]["search"]["prior_rank"] > 0  # the fastest, not the prior's first
   # Nothing fits: the least over capacity.
-  found = search.search(small, "h100", 8, budget=3, projector=_fake_projector(set()))
-  assert len(found.records) == 3 and not any(r["fits"] for r in found.records)
-  over = [r["over_capacity_gb"] for r in found.best(3)]
+  found = search.search(small, H100, 8, budget=3, projector=_fake_projector(set()))
+  assert len(found.records) == 3 and not any(r["fits"] for r in _json(found.records))
+  over = [r["over_capacity_gb"] for r in _json(found.best(3))]
   assert over == sorted(over)
 
 
@@ -205,7 +216,7 @@ def test_no_valid_configuration_is_bad_input(small):
     small, mesh=MeshConfig(data=-1, fsdp=2), train=dataclasses.replace(small.train, global_batch=1)
   )
   with pytest.raises(UserInputError, match="--gpus 8 on h100: none of the .* is valid"):
-    search.search(one, "h100", 8, budget=1, projector=_fake_projector(set()))
+    search.search(one, H100, 8, budget=1, projector=_fake_projector(set()))
 
 
 def _launch(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -16,9 +16,12 @@ import pytest
 
 import experiments
 from errors import UserInputError
+from hardware import catalog
 from parallelism.mesh import MeshConfig
 from projection import compose, project
+from projection.plan import plan
 from records import points
+from records.points import ProjectedPoint, from_json, to_json
 from report import export, plots, results, sweep_report
 from report import points as printers
 from sweep import definitions, runner
@@ -79,13 +82,13 @@ def test_interrupted_sweep_resumes_with_the_missing_points_only(swept, tmp_path,
   lines = open(os.path.join(out, "results.jsonl")).readlines()
   (tmp_path / "results.jsonl").write_text("".join(lines[:-2]))  # as if killed 2 points early
   calls = []
-  real = project.project_on
+  real = project.project
 
-  def counted(exp, hw, reduced):
-    calls.append((hw.name, reduced.target.devices))
-    return real(exp, hw, reduced)
+  def counted(exp, target, how="auto"):
+    calls.append((target.hardware.name, target.gpus))
+    return real(exp, target, how)
 
-  monkeypatch.setattr(project, "project_on", counted)
+  monkeypatch.setattr(project, "project", counted)
   again = runner.run(exp, SWEEP, str(tmp_path), platform="cpu")
   assert calls == [("h100", 8), ("h100", 16)]  # the weak series' two points
   assert len(results.read(str(tmp_path))) == 6
@@ -115,14 +118,14 @@ def test_1f1b_points_are_composed_unless_full_compile(swept, tmp_path, monkeypat
   calls = []
 
   def stub(name):
-    def projector(exp, hw, reduced):
-      calls.append((name, reduced.target.devices))
-      return dict(done, devices=reduced.target.devices)
+    def projector(exp, target):
+      calls.append((name, target.gpus))
+      return from_json(ProjectedPoint, dict(done, devices=target.gpus))
 
     return projector
 
-  monkeypatch.setattr(compose, "project_on", stub("composed"))
-  monkeypatch.setattr(project, "project_on", stub("full"))
+  monkeypatch.setattr(compose, "composed", stub("composed"))
+  monkeypatch.setattr(project, "whole", stub("full"))
   one = Sweep(mode="project", counts=(8,), hardware=("h100",), scalings=("strong",))
   runner.run(pipelined, one, str(tmp_path), platform="cpu")
   runner.run(exp, one, str(tmp_path / "gpipe"), platform="cpu")  # no pipeline: full
@@ -148,10 +151,14 @@ def test_a_composed_point_near_hbm_capacity_is_compiled_whole(swept, monkeypatch
   capacity = done["hbm_capacity_gb"]
   for share, whole in ((compose.NEAR_CAPACITY - 0.01, False), (compose.NEAR_CAPACITY + 0.01, True)):
     monkeypatch.setattr(
-      compose, "project_on", lambda *a, s=share: dict(done, memory_per_gpu_gb=s * capacity)
+      compose,
+      "composed",
+      lambda *a, s=share: from_json(ProjectedPoint, dict(done, memory_per_gpu_gb=s * capacity)),
     )
-    monkeypatch.setattr(project, "project_on", lambda *a: dict(done, memory_per_gpu_gb=capacity))
-    record = compose.project_any(pipelined, "h100", 8)
+    monkeypatch.setattr(
+      project, "whole", lambda *a: from_json(ProjectedPoint, dict(done, memory_per_gpu_gb=capacity))
+    )
+    record = to_json(project.project(pipelined, plan(pipelined, catalog.get("h100"), 8)))
     assert ("composed_estimate" in record) == whole
     assert record["memory_per_gpu_gb"] == (capacity if whole else share * capacity)
 
@@ -163,16 +170,14 @@ def test_a_searched_sweep_runs_each_point_at_its_searchs_best(swept, tmp_path, m
   done = next(r for r in records if r["status"] == "ok")
   calls = []
 
-  def stub(name):
-    def projector(exp, hw, reduced):
-      step_s = 1.0 + exp.mesh.tensor + 0.1 * exp.train.micro_batch
-      calls.append((name, reduced.target.devices, step_s))
-      return dict(done, fits=True, devices=reduced.target.devices, step_time_s=step_s)
+  def projector(exp, target, how):
+    name = {"auto": "composed", "full": "full"}[how]
+    step_s = 1.0 + exp.mesh.tensor + 0.1 * exp.train.micro_batch
+    calls.append((name, target.gpus, step_s))
+    point = dict(done, fits=True, devices=target.gpus, step_time_s=step_s)
+    return from_json(ProjectedPoint, point)
 
-    return projector
-
-  monkeypatch.setattr(compose, "project_any_on", stub("composed"))
-  monkeypatch.setattr(project, "project_on", stub("full"))
+  monkeypatch.setattr(project, "project", projector)
   searched = definitions.searched(dataclasses.replace(SWEEP, counts=(8, 16)), 3)
   assert searched.scalings == ("strong",)  # a weak batch would depend on the choice
   got = runner.run(exp, searched, str(tmp_path), platform="cpu")
@@ -224,7 +229,7 @@ def test_a_results_file_with_the_old_duplicate_keys_still_resumes(swept, tmp_pat
     lines.append(json.dumps(record) + "\n")
   (tmp_path / "results.jsonl").write_text("".join(lines))
   calls = []
-  monkeypatch.setattr(project, "project_on", lambda *a: calls.append(a))
+  monkeypatch.setattr(project, "project", lambda *a: calls.append(a))
   again = runner.run(exp, SWEEP, str(tmp_path), platform="cpu")
   assert calls == []
   assert again == results.read(out)

@@ -1,6 +1,6 @@
 """The projection's cost model calibrated to this machine: a host profile.
 
-hardware/host_programs.py runs and times the micro-benchmark programs; here each program's work is
+measure/host_programs.py runs and times the micro-benchmark programs; here each program's work is
 counted as projection/hlo.py counts it (ops, bytes, dot FLOPs, collective bytes), and
 work over median time gives the figures of a `Hardware` entry called 'host':
   - matmul FLOP/s per shape, and the streaming op's memory bandwidth;
@@ -31,9 +31,24 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hardware import host, host_programs
+from errors import UserInputError
+from hardware import catalog
 from hardware.catalog import Hardware
+from measure import host, host_programs
 from projection import cost_model, hlo
+
+
+def hardware(name: str, gpus: int = 1) -> Hardware:
+  """A catalog entry by name; 'host' is this machine's profile with `gpus` CPU devices
+  active, measured here the first time (what a mode hands projection/plan.py's plan)."""
+  if name.strip().lower() == "host":
+    return host_profile(devices=gpus)
+  try:
+    return catalog.get(name)
+  except ValueError:
+    raise UserInputError(
+      f"--hardware: unknown hardware {name!r}; known: {', '.join(catalog.names() + ['host'])}"
+    ) from None
 
 
 def host_profile(

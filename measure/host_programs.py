@@ -1,5 +1,5 @@
 """The micro-benchmark programs a host profile is made of, and their run times on the
-first N CPU devices (hardware/host.py says why per active-device count).
+first N CPU devices (measure/host.py says why per active-device count).
 
 The programs, so that the cost model (max(FLOPs / matmul rate, bytes / bandwidth) + a
 per-op overhead; collectives by projection/collectives.py) fits the small ops of a CPU
@@ -225,7 +225,7 @@ class Programs:
     )
 
 
-COLLECTIVES = {  # kind -> op over mesh axis "g"; projection/host_calibration.py fits them
+COLLECTIVES = {  # kind -> op over mesh axis "g"; measure/host_calibration.py fits them
   "allreduce": lambda jax, v: jax.lax.psum(v, "g"),
   # The first shard of the result is sliced out to chain the next one.
   "allgather": lambda jax, v: jax.lax.all_gather(v, "g", tiled=True)[: v.shape[0]],

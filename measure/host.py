@@ -4,8 +4,8 @@
 A host profile lets the projection be checked end to end on CPU: compile a small model
 for N emulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count), predict
 its step with the profile for N active devices, and compare with the measured step
-(benchmarks/closing_the_loop.py). hardware/host_programs.py runs and times the
-micro-benchmark programs a profile is made of; projection/host_calibration.py turns their
+(benchmarks/closing_the_loop.py). measure/host_programs.py runs and times the
+micro-benchmark programs a profile is made of; measure/host_calibration.py turns their
 times into the figures stored here, counting each program's work as the projection's HLO
 reader does.
 
@@ -93,7 +93,7 @@ def profile_to_hardware(entry: dict[str, Any]) -> Hardware:
   ag_busbw = _busbw_from_beta(f["allgather_beta_s_per_byte"], (n - 1) / n, f)
   mm = {dt: f[f"matmul_{dt}_gflops"] for dt in ("float32", "bfloat16")}
   src = (
-    f"measured by hardware/host_programs.py, calibrated by projection/host_calibration.py, "
+    f"measured by measure/host_programs.py, calibrated by measure/host_calibration.py, "
     f"with {n} active CPU devices at "
     f"{entry['measured_at']} ({entry['duration_s']} s)"
   )
