@@ -1,10 +1,10 @@
 """Program analysis of optimized (scheduled) XLA HLO text.
 
 `analyze(compiled.as_text())` reads the module's text (projection/hlo_text.py) and turns
-it into a `Program` (the node types: projection/hlo_nodes.py): the entry computation's work in
-schedule order (the instruction order
-of a scheduled module is its execution order), with while loops kept as `Loop` nodes
-carrying their trip count so a cost model can multiply. XLA's own `cost_analysis()` counts
+it into a `Program` (the node types: projection/hlo_nodes.py): the entry computation's work
+in schedule order (the instruction order of a scheduled module is its execution order),
+with while loops kept as `Loop` nodes carrying their trip count so a cost model can
+multiply. XLA's own `cost_analysis()` counts
 a loop body once; this does not.
 
 Conventions (per device, since an SPMD program is one device's program):

@@ -24,7 +24,11 @@ How the program is had (`how`, recorded in the point):
             (projection/compose.py): a few small compiles for a what-if.
   auto      composed where the step composes (a 1F1B pipeline of whole chunks) and its
             composed memory is clear of HBM capacity (compose.NEAR_CAPACITY), else full.
-            The default of every mode; `--full_compile` is `full`.
+            The default of project and sweep mode (a best-configuration sweep's searches
+            included: their candidates recur at every GPU count and share pieces);
+            `--full_compile` is `full`. Search mode and the calibration
+            (benchmarks/mlperf.py) compile whole: a single search's candidates share no
+            pieces.
 
 Compiles are cached by everything they depend on. The compiled program's data axis and
 micro-batch count do not depend on the GPU count, so every GPU count of one experiment
