@@ -1,13 +1,9 @@
 """The train step measured on this machine's GPU beside the projection of the same
 compiled step onto that GPU's catalog entry: one command for a lent single-GPU machine.
 
-The trace reader is measure/trace.py, each op's projected time projection/op_costs.py and
-the projection of the measured program projection/project.py's of_program; the tables,
-which serve only this check, stay beside it.
-
-For each configuration in CONFIGS (each loads a different part of the cost model: a
-matmul-bound GPT-3 1.3B, a small model whose attention scores go through HBM, full
-remat, FP8) this
+For each configuration in CONFIGS (benchmarks/gpu_check_configs.py; each loads a part of
+the cost model: matmuls, attention through HBM, full remat, FP8, grouped-query attention)
+this
   1. measures the step as `launch.py --mode=benchmark --devices=1` does
      (parallelism/mesh.py, train/step.py, train/loop.py): compile time, median step, MFU;
   2. projects the program compiled for this very device onto `--hardware` (h200 by
@@ -16,10 +12,10 @@ remat, FP8) this
      projection does for CPU devices: no deviceless target is needed. The step's text
      comes from compiling it once more, which JAX's compilation caches serve (the
      executable the measurement ran; a persistent cache is set up if none is);
-  3. for one configuration (--trace), traces its last step with the JAX profiler
-     (train/hooks.py's ProfileHook) and reads the time of every HLO op from the trace
-     (measure/trace.py), to set the top kernels beside the projection's time for the
-     same ops.
+  3. for one configuration (--trace), traces its last step with the JAX profiler and
+     reads the time of every HLO op from the trace (measure/trace.py), to set the top
+     kernels beside the projection's time for the same ops (projection/op_costs.py).
+The tables and files: benchmarks/gpu_check_report.py.
 
   python benchmarks/gpu_check.py --output_dir=gpu_check          # one GPU, ~5 minutes
   python benchmarks/gpu_check.py --dry_run --output_dir=/tmp/gc  # host CPU, tiny sizes
@@ -41,7 +37,6 @@ import dataclasses
 import datetime
 import gc
 import gzip
-import json
 import os
 import shutil
 import sys
@@ -63,6 +58,15 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 
 import experiments  # noqa: E402
+from benchmarks.gpu_check_configs import BASE_SETS, CONFIG_NAMES, CONFIGS, Config  # noqa: E402
+from benchmarks.gpu_check_report import (  # noqa: E402
+  append_jsonl,
+  copy_small,
+  first_line,
+  ms,
+  ratio,
+  write_markdown,
+)
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
@@ -78,75 +82,8 @@ from train import hooks as hooks_lib  # noqa: E402
 from train import loop  # noqa: E402
 from train import step as train_step  # noqa: E402
 
-GB = 1e9
-# Every configuration runs on one device of the tiny experiment's mesh, synthetic tokens.
-BASE_SETS = (
-  "mesh.data=1",
-  "mesh.fsdp=1",
-  "mesh.tensor=1",
-  "mesh.pipeline=1",
-  "train.task=synthetic",
-)
 JSONL, MARKDOWN = "gpu_check.jsonl", "gpu_check.md"
 TRACE_FILE, HLO_FILE = "trace.xplane.pb", "trace_hlo.txt.gz"
-MAX_FILE_BYTES = 16 * 2**20  # what the device tool brings back per file
-TARGET_ERROR = 0.25  # the project's closing-the-loop target (benchmarks/closing_the_loop.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  name: str
-  exercises: str  # the part of the cost model it loads
-  gpu_sets: tuple[str, ...]  # --set overrides on one GPU
-  dry_sets: tuple[str, ...]  # the same shape of run, tiny, for --dry_run on a CPU
-  # Added to either after a failure, for one more try: cuDNN attention that does not
-  # compile or run here falls back to XLA's, at a batch whose scores fit.
-  fallback_sets: tuple[str, ...] = ()
-
-
-# GPT-3 sizes: Brown et al. 2020 (model/config.py). Each fits one 141 GB H200 with room
-# to spare under JAX's default 75% preallocation: compiled deviceless for H200
-# (projection/aot_compile.py compile_step) they take 43 (compute), 11 (memory), 53 (remat)
-# and 42 GB (fp8) per device; the fallbacks 40 and 39 GB.
-_XLA_ATTENTION = ("model.attention=xla", "train.global_batch=2")
-CONFIGS = (
-  Config(
-    "compute",
-    "matmul-bound: GPT-3 1.3B, bf16, cuDNN attention, 8 x 2048 tokens",
-    ("model=gpt3-1.3b", "model.attention=cudnn", "train.global_batch=8"),
-    ("model.d_model=128", "model.head_dim=32", "train.global_batch=8"),
-    _XLA_ATTENTION,
-  ),
-  Config(
-    "memory",
-    "memory-bound-heavy: GPT-3 125M, attention scores through HBM (xla)",
-    ("model=gpt3-125m", "train.global_batch=4"),
-    ("model.seq_len=256", "train.global_batch=4"),
-  ),
-  Config(
-    "remat",
-    "remat full: GPT-3 2.7B, every layer's forward run twice",
-    ("model=gpt3-2.7b", "remat=full", "train.global_batch=8"),
-    ("remat=full", "model.num_layers=3", "train.global_batch=8"),
-  ),
-  Config(
-    "fp8",
-    "FP8 matmuls and their casts: GPT-3 1.3B, E4M3 / E5M2, current scaling",
-    ("model=gpt3-1.3b", "model.attention=cudnn", "precision=fp8", "train.global_batch=8"),
-    ("precision=fp8", "train.global_batch=8"),
-    _XLA_ATTENTION,
-  ),
-  # Last, so the time budget drops it first. Llama 3.2 1B: Meta's shapes (model/config.py).
-  Config(
-    "llama",
-    "grouped-query attention, SwiGLU, a 128K vocabulary: Llama 3.2 1B, bf16, "
-    "cuDNN attention, 4 x 4096 tokens",
-    ("model=llama3.2-1b", "model.attention=cudnn", "model.seq_len=4096", "train.global_batch=4"),
-    ("model=llama3-tiny", "train.global_batch=8"),
-    ("model.attention=xla", "train.global_batch=1"),
-  ),
-)
-CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -312,7 +249,7 @@ class _Guarded:
     try:
       getattr(self._hook, method)(*args)
     except Exception as e:  # pylint: disable=broad-except
-      self.failure = f"{method}: {type(e).__name__}: {_first_line(e)}"
+      self.failure = f"{method}: {type(e).__name__}: {first_line(e)}"
 
   def before_step(self, step: int) -> None:
     self._call("before_step", step)
@@ -322,125 +259,6 @@ class _Guarded:
 
   def close(self) -> None:
     self._call("close")
-
-
-# ----------------------------------------------------------------------------------- report
-
-
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip()
-  return text.splitlines()[0] if text else ""
-
-
-def _ms(seconds: float | None) -> str:
-  return "-" if seconds is None else f"{seconds * 1e3:,.2f}"
-
-
-def _ratio(projected: float | None, measured: float) -> str:
-  if projected is None or not measured > 0:
-    return "-"
-  return f"{projected / measured - 1:+.1%}"
-
-
-def config_table(records: list[dict]) -> list[str]:
-  lines = [
-    "| configuration | model | batch x seq | remat | fp8 | compile s | measured step ms | "
-    "measured MFU | projected step ms | projected MFU | error | compute ms | "
-    "memory-bound ms | launches ms | exposed comm ms | memory GB |",
-    "|" + "---|" * 16,
-  ]
-  for r in records:
-    head = (
-      f"| {r['config']} | {r['model']} | {r['global_batch']} x {r['seq_len']} | "
-      f"{r['remat']} | {r['fp8']} |"
-    )
-    if "error" in r or "skipped" in r:
-      lines.append(f"{head} {r.get('error') or r.get('skipped')} |" + " |" * 10)
-      continue
-    p = r["projected"]
-    b = p["breakdown"]
-    flag = "" if abs(p["step_time_s"] / r["step_time_s"] - 1) <= TARGET_ERROR else " *"
-    lines.append(
-      f"{head} {r['compile_s']:.1f} | {_ms(r['step_time_s'])} | {r['mfu']:.1%} | "
-      f"{_ms(p['step_time_s'])} | {p['mfu']:.1%} | "
-      f"{_ratio(p['step_time_s'], r['step_time_s'])}{flag} | {_ms(b['compute_s'])} | "
-      f"{_ms(b['memory_bound_s'])} | {_ms(b['other_s'])} | {_ms(b['exposed_comm_s'])} | "
-      f"{p['memory_per_gpu_gb']:.1f} / {p['hbm_capacity_gb']:.0f} |"
-    )
-  for r in records:
-    if "first_attempt_error" in r:
-      lines.append(
-        f"\n{r['config']}: the first attempt failed ({r['first_attempt_error']}); "
-        f"the row is the retry with {' '.join(r['fallback_sets'])}."
-      )
-  lines.append(
-    f"\nerror: projected over measured median step, minus one; * misses the "
-    f"{TARGET_ERROR:.0%} target. compute includes memory-bound (ops whose HBM "
-    f"bytes outlast their FLOPs); launches: the cost model's per-kernel overhead."
-  )
-  return lines
-
-
-def kernel_table(kernels: dict) -> list[str]:
-  lines = [
-    f"Trace of one `{kernels['config']}` step ({kernels['source']}): {kernels['events']} op "
-    f"events, {kernels['ops']} ops, {kernels['matched_ops']} of them matched to the "
-    f"{kernels['projected_ops']} ops of the projected program.",
-    "",
-    f"- traced step {_ms(kernels['traced_step_s'])} ms: matched ops "
-    f"{_ms(kernels['measured_matched_s'])} ms (projected "
-    f"{_ms(kernels['projected_matched_s'])} ms), unmatched "
-    f"{_ms(kernels['measured_unmatched_s'])} ms, not in any op "
-    f"{_ms(kernels['measured_idle_s'])} ms (projected launches "
-    f"{_ms(kernels['projected_launch_s'])} ms)",
-    "",
-    "| # | HLO op | opcode / kind | bound | runs | measured ms | projected ms | error | from |",
-    "|" + "---|" * 9,
-  ]
-  for i, row in enumerate(kernels["top"], 1):
-    kind = f"{row['opcode']} {row['kind']}".strip() or "-"
-    runs = (
-      f"{row['measured_runs']}"
-      if row["projected_runs"] is None
-      else f"{row['measured_runs']} / {row['projected_runs']}"
-    )
-    source = row["op_name"][-60:] if row["op_name"] else "-"
-    lines.append(
-      f"| {i} | {row['op']} | {kind} | {row['bound'] or '-'} | {runs} | "
-      f"{_ms(row['measured_s'])} | {_ms(row['projected_s'])} | "
-      f"{_ratio(row['projected_s'], row['measured_s'])} | {source} |"
-    )
-  lines.append(
-    "\nruns: events in the trace / executions the program makes (loop trips "
-    "counted); projected ms leaves out the per-kernel launch overhead."
-  )
-  return lines
-
-
-def write_markdown(
-  path: str, header: list[str], records: list[dict], kernels: dict | None, trace_note: str
-) -> None:
-  lines = [*header, "", *config_table(records), ""]
-  if kernels:
-    lines += kernel_table(kernels)
-  elif trace_note:
-    lines.append(f"Trace: {trace_note}")
-  partial = f"{path}.partial"
-  with open(partial, "w") as f:
-    f.write("\n".join(lines) + "\n")
-  os.replace(partial, path)  # a reader sees the last whole table
-
-
-def append_jsonl(path: str, record: dict) -> None:
-  with open(path, "a") as f:
-    f.write(json.dumps(record) + "\n")
-
-
-def _copy_small(source: str, target: str) -> str:
-  if os.path.getsize(source) > MAX_FILE_BYTES:
-    return f"{os.path.basename(source)} is {os.path.getsize(source) / 2**20:.0f} MiB: not copied"
-  shutil.copyfile(source, target)
-  return ""
 
 
 # ------------------------------------------------------------------------------------- main
@@ -602,7 +420,7 @@ def _attempt(
     except UserInputError:
       raise
     except Exception as e:  # pylint: disable=broad-except (recorded; the others still run)
-      errors.append(f"{type(e).__name__}: {_first_line(e)}"[:300])
+      errors.append(f"{type(e).__name__}: {first_line(e)}"[:300])
       if trace_dir:
         shutil.rmtree(trace_dir, ignore_errors=True)  # a failed attempt's partial trace
       gc.collect()  # an out-of-memory attempt's buffers go before the next
@@ -638,7 +456,7 @@ def _trace_record(
   trace, note, xplane = read_trace(trace_dir)
   notes = [note] if note else []
   if xplane:
-    copied = _copy_small(xplane, os.path.join(output_dir, TRACE_FILE))
+    copied = copy_small(xplane, os.path.join(output_dir, TRACE_FILE))
     notes += [copied] if copied else []
   with gzip.open(os.path.join(output_dir, HLO_FILE), "wt") as f:
     f.write(projection.hlo_text)
@@ -661,8 +479,8 @@ def _print_progress(record: dict) -> None:
   p = record["projected"]
   print(
     f"  {record['config']}: compile {record['compile_s']:.1f} s, step "
-    f"{_ms(record['step_time_s'])} ms measured, {_ms(p['step_time_s'])} ms projected "
-    f"({_ratio(p['step_time_s'], record['step_time_s'])}), MFU {record['mfu']:.1%}",
+    f"{ms(record['step_time_s'])} ms measured, {ms(p['step_time_s'])} ms projected "
+    f"({ratio(p['step_time_s'], record['step_time_s'])}), MFU {record['mfu']:.1%}",
     flush=True,
   )
 

@@ -71,13 +71,11 @@ class Benchmark:
   like_for_like_hw: tuple[str, ...] = ()
 
 
-_EOS_MINUTES = {gpus: min_ for label, _, gpus, min_ in mlperf_gpt3.RESULTS if "NVIDIA Eos" in label}
 BENCHMARKS = {
   "gpt3": Benchmark(
     "mlperf_gpt3_175b",
-    (
-      ("eos_10752", "h100", 10752, _EOS_MINUTES[10752]),
-      ("eos_512", "h100", 512, _EOS_MINUTES[512]),
+    tuple(
+      (name, run.hardware, run.gpus, run.minutes) for name, run in mlperf_gpt3.PUBLISHED.items()
     ),
     # The generations with FP8, which the benchmark trains in.
     tuple(name for name in catalog.names() if catalog.get(name).peak_fp8_tflops),

@@ -14,7 +14,6 @@ projection on a GPU count that matches one uses it by default:
 """
 
 import dataclasses
-import math
 
 from experiments import ExperimentConfig
 from experiments._time_to_train import TimeToTrain
@@ -32,29 +31,21 @@ BENCHMARK = TimeToTrain(
 )
 
 
-def learning_rate(global_batch: int) -> float:
-  """The benchmark's rule: 2e-5 for global batch 1,536-3,072, 3e-5 for 4,096-8,192 (NVIDIA's
-  v4.1 NeMo configuration, conf/custom.yaml, switches at 3,600; used for batches between)."""
-  return 2e-5 if global_batch < 3600 else 3e-5
-
-
 def train_config(global_batch: int, micro_batch: int) -> TrainConfig:
-  """The benchmark's optimizer and schedule for a global batch (its rules): Adam 0.9 /
-  0.95, eps 1e-8, weight decay 0.1, clip 1.0; warm-up ceil(265 x 1536 / GBS) steps, cosine
-  decay to 10% of the base rate at ceil(108600 x 1536 / GBS) steps."""
+  """The benchmark's optimizer and schedule for a global batch (reference/mlperf_gpt3.py)."""
   return TrainConfig(
     global_batch=global_batch,
     micro_batch=micro_batch,
     steps=BENCHMARK.steps_to_converge(global_batch),
-    learning_rate=learning_rate(global_batch),
-    lr_warmup_steps=math.ceil(265 * 1536 / global_batch),
-    lr_decay_steps=math.ceil(108600 * 1536 / global_batch),
-    min_lr_ratio=0.1,
-    weight_decay=0.1,
-    beta1=0.9,
-    beta2=0.95,
-    eps=1e-8,
-    grad_clip=1.0,
+    learning_rate=mlperf_gpt3.learning_rate(global_batch),
+    lr_warmup_steps=mlperf_gpt3.warmup_steps(global_batch),
+    lr_decay_steps=mlperf_gpt3.decay_steps(global_batch),
+    min_lr_ratio=mlperf_gpt3.MIN_LR_RATIO,
+    weight_decay=mlperf_gpt3.WEIGHT_DECAY,
+    beta1=mlperf_gpt3.BETA1,
+    beta2=mlperf_gpt3.BETA2,
+    eps=mlperf_gpt3.EPS,
+    grad_clip=mlperf_gpt3.GRAD_CLIP,
   )
 
 
@@ -85,27 +76,19 @@ MODEL = dataclasses.replace(
 )
 
 
-def _published(
-  name: str,
-  gpus: int,
-  tensor: int,
-  pipeline: int,
-  virtual_stages: int,
-  micro_batch: int,
-  global_batch: int,
-  note: str,
-) -> ExperimentConfig:
+def _published(name: str, run: mlperf_gpt3.PublishedRun) -> ExperimentConfig:
   return ExperimentConfig(
     name="mlperf_gpt3_175b",
-    description=f"{name}: {gpus:,} H100, TP {tensor}, PP {pipeline}, virtual stages "
-    f"{virtual_stages}, micro-batch {micro_batch}, GBS {global_batch} ({note})",
+    description=f"{name}: {run.gpus:,} H100, TP {run.tensor}, PP {run.pipeline}, virtual "
+    f"stages {run.virtual_stages}, micro-batch {run.micro_batch}, GBS {run.global_batch} "
+    f"({run.round_name}, {run.minutes:.2f} min)",
     model=MODEL,
-    mesh=MeshConfig(data=-1, tensor=tensor, pipeline=pipeline),
+    mesh=MeshConfig(data=-1, tensor=run.tensor, pipeline=run.pipeline),
     # The published runs' interleaved 1F1B schedule (parallelism/one_f_one_b.py).
     train=dataclasses.replace(
-      train_config(global_batch, micro_batch),
+      train_config(run.global_batch, run.micro_batch),
       pipeline_schedule="1f1b",
-      virtual_stages=virtual_stages,
+      virtual_stages=run.virtual_stages,
       shard_optimizer=True,
     ),
     benchmark=BENCHMARK,
@@ -114,7 +97,7 @@ def _published(
   )
 
 
-# The published calibration points (reference/mlperf_gpt3.py RESULTS; docs/validation.md).
+# The published calibration points (reference/mlperf_gpt3.py PUBLISHED; docs/validation.md).
 # No efficiency parameter of hardware/catalog.py is fitted to them. The published step is
 # about 0.97 s at 10,752 GPUs and 9.6 s at 512 (3.92 and 49.80 min over 220 + 22 and 288 +
 # 24 step-equivalents of training and evaluation); the projection's FLOP-bound work at the
@@ -125,10 +108,7 @@ def _published(
 # (the data-parallel reduction after the drain, most of it at 10,752). None of it is a
 # hardware figure, so fitting an HBM or matmul efficiency would only absorb the program's
 # overheads into the figures every projection uses.
-PUBLISHED = {
-  "eos_10752": (10752, _published("eos_10752", 10752, 4, 8, 12, 1, 2688, "v3.1, 3.92 min")),
-  "eos_512": (512, _published("eos_512", 512, 4, 8, 6, 2, 2048, "v4.1, 49.80 min")),
-}
+PUBLISHED = {name: (run.gpus, _published(name, run)) for name, run in mlperf_gpt3.PUBLISHED.items()}
 
 
 def get_config() -> ExperimentConfig:

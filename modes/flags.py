@@ -48,8 +48,9 @@ SEARCH_BUDGET = flags.DEFINE_integer(
 FULL_COMPILE = flags.DEFINE_bool(
   "full_compile",
   False,
-  "project, search, sweep: compile every projected point whole (how=full), not a 1F1B "
-  "step composed from cached compiled pieces (projection/compose.py; how=auto).",
+  "project, sweep: compile every projected point whole (how=full), not a 1F1B step "
+  "composed from cached compiled pieces (projection/compose.py; how=auto). Search mode "
+  "compiles its candidates whole.",
 )
 PROFILE_STEPS = flags.DEFINE_string(
   "profile_steps",

@@ -41,8 +41,9 @@ class Options:
 
   @property
   def how(self) -> str:
-    """How every projected point's program is had (projection/project.py): the same in
-    every mode, `full` with --full_compile."""
+    """How a projected point's program is had (projection/project.py) in project and sweep
+    mode, a best-configuration sweep's searches included: `auto`, `full` with
+    --full_compile. Search mode compiles its candidates whole (modes/search.py)."""
     return "full" if self.full_compile else "auto"
 
 

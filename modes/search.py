@@ -40,7 +40,10 @@ def run(options: Options) -> list[ProjectedPoint]:
         hw,
         gpus,
         options.search_budget,
-        options.how,
+        # Whole: no two candidates of one search share a composed step's pieces (each is
+        # its own tensor, pipeline, chunk and micro-batch), so composing would compile
+        # three pieces a candidate for the two compiles of a whole one (docs/projection.md).
+        "full",
         progress=step,
         on_record=lambda r: results.append(options.output_dir, r, stamp=True),
       )

@@ -24,7 +24,11 @@ How the program is had (`how`, recorded in the point):
             (projection/compose.py): a few small compiles for a what-if.
   auto      composed where the step composes (a 1F1B pipeline of whole chunks) and its
             composed memory is clear of HBM capacity (compose.NEAR_CAPACITY), else full.
-            The default of every mode; `--full_compile` is `full`.
+            The default of project and sweep mode (a best-configuration sweep's searches
+            included: their candidates recur at every GPU count and share pieces);
+            `--full_compile` is `full`. Search mode and the calibration
+            (benchmarks/mlperf.py) compile whole: a single search's candidates share no
+            pieces.
 
 Compiles are cached by everything they depend on. The compiled program's data axis and
 micro-batch count do not depend on the GPU count, so every GPU count of one experiment
@@ -68,24 +72,12 @@ def whole(exp, target: Target) -> ProjectedPoint:
   hw, reduced = target.hardware, target.reduced
   timer = collective_timing.collective_timer(reduced, hw)
   step, compile_s = aot_compile.compiled_program(exp, hw, reduced, timer)
-  stages = reduced.target.sizes.get("pipeline", 1)
-  virtual = exp.train.virtual_stages if stages > 1 else 1
   program = step_loops.with_micro_batches(
-    step.program, reduced.compiled_micro_batches, reduced.micro_batches, virtual
+    step.program, reduced.compiled_micro_batches, reduced.micro_batches, _virtual(exp, reduced)
   )
   memory_gb = target_memory_gb(step.memory_per_device_bytes, step.data_sharded_state_bytes, reduced)
-  compiled = Compiled(
-    step.compile_target,
-    step.note,
-    compile_s,
-    hlo.total_flops(program),
-    hlo.dot_flops(program),
-    memory_gb,
-    hlo.uses_fp8(program),
-    hlo.uses_fp4(program),
-  )
-  timing = lambda: costed(program, hw, reduced, timer, reduced.micro_batches, stages, virtual)
-  return record(exp, hw, reduced, compiled, timing, "full")
+  compiled = _compiled(program, memory_gb, step.compile_target, step.note, compile_s)
+  return _costed_record(exp, target, timer, program, compiled)
 
 
 def of_program(
@@ -99,19 +91,33 @@ def of_program(
   """The projection of a program the caller compiled for the target's whole mesh and
   batch (a measured step's own, benchmarks/gpu_check.py): costed and recorded as `whole`
   does, without a deviceless compile (`how="full"`)."""
-  hw, reduced = target.hardware, target.reduced
-  timer = collective_timing.collective_timer(reduced, hw)
-  stages = reduced.target.sizes.get("pipeline", 1)
-  virtual = exp.train.virtual_stages if stages > 1 else 1
-  compiled = Compiled(
+  timer = collective_timing.collective_timer(target.reduced, target.hardware)
+  compiled = _compiled(program, memory_bytes / GB, compile_target, None, compile_s)
+  return _costed_record(exp, target, timer, program, compiled)
+
+
+def _virtual(exp, reduced) -> int:
+  return exp.train.virtual_stages if reduced.target.sizes.get("pipeline", 1) > 1 else 1
+
+
+def _compiled(
+  program: hlo.Program, memory_gb: float, compile_target: str, note: str | None, compile_s: float
+) -> Compiled:
+  return Compiled(
     compile_target,
-    None,
+    note,
     compile_s,
     hlo.total_flops(program),
     hlo.dot_flops(program),
-    memory_bytes / GB,
+    memory_gb,
     hlo.uses_fp8(program),
     hlo.uses_fp4(program),
   )
+
+
+def _costed_record(exp, target: Target, timer, program: hlo.Program, compiled: Compiled):
+  hw, reduced = target.hardware, target.reduced
+  stages = reduced.target.sizes.get("pipeline", 1)
+  virtual = _virtual(exp, reduced)
   timing = lambda: costed(program, hw, reduced, timer, reduced.micro_batches, stages, virtual)
   return record(exp, hw, reduced, compiled, timing, "full")

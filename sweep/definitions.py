@@ -14,10 +14,9 @@ from errors import UserInputError
 from hardware import catalog
 from reference import mlperf_gpt3, mlperf_llama31_405b
 
-# Powers of two from one HGX node up, plus the GPU counts of published MLPerf GPT-3 runs:
-# 10,752 H100 (MLPerf Training v3.1, Nov 2023: reference/mlperf_gpt3.py) and 11,616 H100
-# (NVIDIA's MLPerf Training v4.0 submission, June 2024; mlcommons/training_results_v4.0).
-GPU_COUNTS = tuple(sorted([2**k for k in range(3, 15)] + [10752, 11616]))
+# Powers of two from one HGX node up, plus the GPU counts of published MLPerf GPT-3 runs
+# (reference/mlperf_gpt3.py).
+GPU_COUNTS = tuple(sorted([2**k for k in range(3, 15)] + list(mlperf_gpt3.PUBLISHED_GPU_COUNTS)))
 # Llama 3.1 405B from 256 GPUs (two replicas of H100's published TP 8 x PP 8 x CP 2) to
 # 8,192 (the largest published run, reference/mlperf_llama31_405b.py).
 LLAMA_GPU_COUNTS = tuple(2**k for k in range(8, 14))
@@ -25,10 +24,9 @@ LLAMA_GPU_COUNTS = tuple(2**k for k in range(8, 14))
 # give a process 8 host CPU devices).
 HOST_DEVICE_COUNTS = (1, 2, 4, 8)
 
-# Tokens the MLPerf GPT-3 175B benchmark trains to reach its target at global batch 2,048
-# (288 steps x 2,048 sequences x 2,048 tokens). Time to train is that budget over the
-# throughput.
-MLPERF_GPT3_TOKENS = 2048 * mlperf_gpt3.STEPS_TO_CONVERGE[2048] * mlperf_gpt3.SEQ_LEN
+# Tokens the MLPerf GPT-3 175B benchmark trains to reach its target at global batch 2,048.
+# Time to train is that budget over the throughput.
+MLPERF_GPT3_TOKENS = mlperf_gpt3.TOKENS_AT_2048
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from projection import (
   targets,
 )
 from projection.plan import plan as plan_target
+from reference import mlperf_gpt3
 from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
@@ -75,7 +76,7 @@ def test_published_configurations_are_the_default_for_their_gpu_counts():
   small = experiments.at_target(exp, 512)
   assert (small.train.global_batch, small.train.micro_batch) == (2048, 2)
   assert experiments.at_target(exp, 1024) is exp
-  assert mlperf.learning_rate(2048) == 2e-5 and mlperf.learning_rate(4096) == 3e-5
+  assert mlperf_gpt3.learning_rate(2048) == 2e-5 and mlperf_gpt3.learning_rate(4096) == 3e-5
   assert (exp.model.num_layers, exp.model.d_model, exp.model.seq_len, exp.model.vocab_size) == (
     96,
     12288,
