@@ -59,7 +59,7 @@ def build_point(exp, devices: list) -> tuple[mesh_lib.MeshLayout, train_step.Tra
   layout = mesh_lib.plan(exp.mesh, len(devices))
   fit.check_activation_memory(exp, layout, devices)
   mesh = mesh_lib.build_mesh(layout, devices)
-  program = train_step.build(exp.model, exp.train, mesh)
+  program = train_step.build(exp.model, exp.train, mesh, exp.lora)
   fit.check_state_memory(program, exp.model.name, devices)
   return layout, program
 
