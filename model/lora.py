@@ -94,15 +94,35 @@ class LoraConfig:
     names = self.target_names
     if not names:
       raise UserInputError(f"lora.targets must name kernels among {', '.join(known)}, got ''")
+    fused = _FUSED_QKV in names and _FUSED_QKV not in model_kernels
     for name in names:
       if name not in known:
         raise UserInputError(f"lora.targets: unknown kernel {name!r}; allowed: {', '.join(known)}")
-      if name not in model_kernels:
+      if fused and name in _SPLIT_QKV:
+        raise UserInputError(
+          f"lora.targets: {_FUSED_QKV} (one adapter on q and kv together) and {name} both "
+          "name the query projection; choose one"
+        )
+      if name not in model_kernels and not (name == _FUSED_QKV and fused):
         raise UserInputError(
           f"lora.targets: this model has no {name} (its kernels: {', '.join(model_kernels)})"
         )
     if len(set(names)) != len(names):
       raise UserInputError(f"lora.targets names a kernel twice: {self.targets!r}")
+
+
+# With grouped-query attention (separate q_kernel and kv_kernel) the target qkv_kernel is
+# one adapter on both, as on Megatron-Core's fused linear_qkv that NVIDIA's MLPerf LoRA
+# runs adapt: one A [D, r], a B for the queries and one for the keys and values.
+_FUSED_QKV, _SPLIT_QKV = "qkv_kernel", ("q_kernel", "kv_kernel")
+
+
+def groups(targets: tuple[str, ...], model_kernels) -> list[tuple[str, tuple[str, ...]]]:
+  """(A's name, the kernels that share it) for each target on a model with these kernels."""
+  return [
+    (name, _SPLIT_QKV if name == _FUSED_QKV and name not in model_kernels else (name,))
+    for name in targets
+  ]
 
 
 class Adapter(nnx.Param):
@@ -129,7 +149,7 @@ def add_adapters(
 ) -> None:
   """Adapters on `layers` (model/gpt.py Layers, stacked [L, ...]) for cfg's targets, and the
   frozen kernels in cfg.base_dtype. contracted: each kernel's count of input axes."""
-  for name, n_in in contracted.items():
+  for name in contracted:
     kernel = getattr(layers, name)
     if cfg.base_dtype == "float8_e4m3fn":
       cast = fp8.cast_weights(kernel[...])
@@ -138,16 +158,20 @@ def add_adapters(
       setattr(layers, name + _FP8_SCALE, nnx.Param(cast.scale, axes=(stack_axis,)))
     else:
       setattr(layers, name, nnx.Param(kernel[...].astype(cfg.base_dtype), **kernel.get_metadata()))
-    if name not in cfg.target_names:
-      continue
-    shape, axes = kernel.shape, kernel.get_metadata()["axes"]
-    stack, ins, outs = shape[:1], shape[1 : 1 + n_in], shape[1 + n_in :]
-    a_axes = (axes[0], *axes[1 : 1 + n_in], RANK_AXIS)
-    b_axes = (axes[0], RANK_AXIS, *axes[1 + n_in :])
-    std = 1 / math.sqrt(math.prod(ins))
-    a = std * jax.random.normal(rngs.params(), (*stack, *ins, cfg.rank), dtype)
-    setattr(layers, name + _A, Adapter(a, axes=a_axes))
-    setattr(layers, name + _B, Adapter(jnp.zeros((*stack, cfg.rank, *outs), dtype), axes=b_axes))
+  for a_name, shared in groups(cfg.target_names, contracted):
+    for i, name in enumerate(shared):
+      n_in = contracted[name]
+      kernel = getattr(layers, name)
+      shape, axes = kernel.shape, kernel.get_metadata()["axes"]
+      stack, ins, outs = shape[:1], shape[1 : 1 + n_in], shape[1 + n_in :]
+      if i == 0:
+        a_axes = (axes[0], *axes[1 : 1 + n_in], RANK_AXIS)
+        std = 1 / math.sqrt(math.prod(ins))
+        a = std * jax.random.normal(rngs.params(), (*stack, *ins, cfg.rank), dtype)
+        setattr(layers, a_name + _A, Adapter(a, axes=a_axes))
+      b_axes = (axes[0], RANK_AXIS, *axes[1 + n_in :])
+      b = jnp.zeros((*stack, cfg.rank, *outs), dtype)
+      setattr(layers, name + _B, Adapter(b, axes=b_axes))
 
 
 def adapted(
@@ -167,13 +191,16 @@ def adapted(
     axes = getattr(layers, kernel).get_metadata()["axes"]
     weight = w.weight if isinstance(w, fp8.CastWeight) else w
     params[kernel] = fp8.CastWeight(weight, constrain(stored, axes), scale, x_scale, g_scale)
-  for i, name in enumerate(cfg.target_names):
+  for i, (a_name, shared) in enumerate(groups(cfg.target_names, params)):
+    a = params.pop(a_name + _A)
     keys = None
     if cfg.dropout and key is not None:
-      keys = jax.random.split(jax.random.fold_in(key, i), params[name + _A].shape[0])
-    params[name] = LoraWeight(
-      params[name], params.pop(name + _A), params.pop(name + _B), keys, cfg.scale, cfg.dropout
-    )
+      # Kernels that share A share its input and so its dropout mask (one product x A).
+      keys = jax.random.split(jax.random.fold_in(key, i), a.shape[0])
+    for name in shared:
+      params[name] = LoraWeight(
+        params[name], a, params.pop(name + _B), keys, cfg.scale, cfg.dropout
+      )
   return params
 
 

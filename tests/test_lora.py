@@ -9,6 +9,8 @@ device, the loss falls on the token corpus, and a checkpoint resumes bit for bit
 import dataclasses
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -18,8 +20,10 @@ from flax import nnx
 
 import experiments
 from experiments import overrides
-from model import lora
+from model import config as model_config
+from model import flops, gpt, lora
 from parallelism import mesh as mesh_lib
+from projection import hlo
 from tools import make_tokens
 from train import data as data_lib
 from train import loop
@@ -259,3 +263,72 @@ def test_fp8_stored_base_trains():
   assert layers["fc1_kernel_fp8_scale"].shape == (exp.model.num_layers,)
   _, losses = _steps(program, exp, 3)
   assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize(
+  "targets, remat",
+  [("qkv_kernel,out_kernel", "none"), ("q_kernel,kv_kernel,fc1_kernel,fc2_kernel", "save_dots")],
+)
+def test_hlo_matmul_flops_equal_the_lora_formula(targets, remat):
+  """The compiled step runs the frozen weights' forward and input gradients, and weight
+  gradients only for the adapters: model/flops.py lora_matmul_flops_per_step, exactly."""
+  exp = _exp("lora.rank=4", f"lora.targets={targets}")
+  model = dataclasses.replace(exp.model, remat=remat, num_layers=3)
+  exp = dataclasses.replace(exp, model=model)
+  program = _program(exp, 1)
+  compiled = program.lower(exp.train.global_batch, model.seq_len).compile()
+  found = hlo.dot_flops(hlo.analyze(compiled.as_text()))
+  expected = flops.lora_matmul_flops_per_step(model, exp.lora, exp.train.global_batch)
+  assert found == expected
+  # Less than full training's count by the base weights' gradients, 2 N a token.
+  full = flops.matmul_flops_per_step(model, exp.train.global_batch)
+  assert found < full
+
+
+def test_llama2_70b_parameters_from_abstract_shapes():
+  cfg = model_config.preset("llama2-70b")
+  adapters = lora.LoraConfig(rank=16, alpha=32, targets="qkv_kernel,out_kernel")
+  abstract = nnx.eval_shape(lambda: gpt.GPT(cfg, nnx.Rngs(0), adapters=adapters))
+  params = nnx.state(abstract, nnx.Param)
+  total = sum(x.size for x in jax.tree.leaves(params))
+  trainable = sum(x.size for x in jax.tree.leaves(nnx.filter_state(params, lora.Adapter)))
+  base = total - trainable
+  # Meta's published size: 68.98 B (the 0.5% covers the published figure's rounding).
+  assert abs(base / 68.98e9 - 1) < 0.005, base
+  assert base == flops.param_count(cfg)
+  # MLPerf's adapters: rank 16 on the fused QKV (one A for q and kv) and the attention
+  # output, "about 44.6 M" trainable parameters.
+  assert trainable == flops.lora_adapter_param_count(cfg, adapters) == 44_564_480
+  layers = params["layers"]
+  assert layers["qkv_kernel_lora_a"].shape == (80, 8192, 16)
+  assert layers["kv_kernel_lora_b"].shape == (80, 16, 2, 8, 128)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+  "settings, message",
+  [
+    (("lora.rank=-1",), "lora.rank must be 0 (off) or a positive integer, got -1"),
+    (("lora.rank=4", "lora.targets=qkv_kernel,attn_kernel"), "unknown kernel 'attn_kernel'"),
+    # GPT-3's attention has one fused QKV kernel, no separate query kernel.
+    (("lora.rank=4", "lora.targets=q_kernel"), "this model has no q_kernel"),
+  ],
+  ids=["negative-rank", "unknown-kernel", "kernel-the-model-lacks"],
+)
+def test_bad_lora_settings_are_one_line_and_exit_2(tmp_path, settings, message):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  args = [arg for s in settings for arg in ("--set", s)]
+  done = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "launch.py"), f"--output_dir={tmp_path}", *args],
+    cwd=str(tmp_path),
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
+  lines = done.stderr.strip().splitlines()
+  assert done.returncode == 2 and len(lines) == 1, done.stderr
+  assert lines[0].startswith("error: lora.") and message in lines[0], lines[0]
+  assert "Traceback" not in done.stderr and os.listdir(tmp_path) == []
