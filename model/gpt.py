@@ -225,7 +225,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
     if isinstance(w, lora.LoraWeight):  # the frozen kernel's product plus its adapter's
       y = tensor_parallel(spec, h, w.base, h_axes, w_axes, out_axes)
-      return constrain(y + lora.delta(spec, h, w), out_axes)
+      return constrain(y + lora.delta(spec, h, w, h_axes), out_axes)
     if cfg.sequence_parallel:
       return sequence.matmul(
         matmul,

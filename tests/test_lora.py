@@ -332,3 +332,19 @@ def test_bad_lora_settings_are_one_line_and_exit_2(tmp_path, settings, message):
   assert done.returncode == 2 and len(lines) == 1, done.stderr
   assert lines[0].startswith("error: lora.") and message in lines[0], lines[0]
   assert "Traceback" not in done.stderr and os.listdir(tmp_path) == []
+
+
+def test_mlperf_llama2_70b_lora_definition_and_schedule():
+  exp = experiments.load("mlperf_llama2_70b_lora")
+  bench = exp.benchmark
+  # The RCP interpolated between GBS 16 and 128 (the reference file's 7,131.4 at 64).
+  assert bench.mean_samples(64) == pytest.approx(7131.43, abs=0.01)
+  # Every 384 sequences: 6 steps at GBS 64; the first floor(0.125 x 64 + 2) = 10 skipped.
+  assert bench.eval_interval_steps(64) == 6 and bench.skipped_evaluations(64) == 10
+  # 18 intervals (6,912 samples) at or before the mean; 8 evaluations on the clock.
+  assert bench.steps_to_converge(64) == 108 and bench.evaluations(64) == 8
+  assert exp.lora.rank == 16 and exp.lora.targets == "qkv_kernel,out_kernel"
+  assert (exp.mesh.tensor, exp.mesh.context, exp.train.global_batch) == (4, 2, 64)
+  replay = exp.variants["azure_h200_512_as_run"].benchmark.estimate(1.0, 64, 0.25)
+  assert (replay["steps_to_converge"], replay["evaluations"]) == (114, 9.5)
+  assert experiments.at_target(exp, 8, "h100").mesh.context == 1
