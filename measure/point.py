@@ -14,7 +14,7 @@ import sys
 
 from errors import UserInputError
 from measure import fit
-from model.flops import param_count, train_flops_per_token
+from model.flops import lora_train_flops_per_token, param_count
 from parallelism import mesh as mesh_lib
 from parallelism import one_f_one_b, pipeline
 from records.points import MeasuredPoint
@@ -133,7 +133,7 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
       hooks_lib.TensorBoardHook(
         tensorboard_dir,
         exp.train.global_batch * exp.model.seq_len,
-        train_flops_per_token(exp.model),
+        lora_train_flops_per_token(exp.model, getattr(exp, "lora", None)),
         layout.devices,
         peak,
       ),
@@ -170,7 +170,11 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
     platform=devices[0].platform,
     device_kind=devices[0].device_kind,
     **loop.summarize(
-      result, tokens_per_step, layout.devices, train_flops_per_token(exp.model), peak
+      result,
+      tokens_per_step,
+      layout.devices,
+      lora_train_flops_per_token(exp.model, getattr(exp, "lora", None)),
+      peak,
     ),
     peak_source=peak_source,
     tensorboard_dir=tensorboard_dir,

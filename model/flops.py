@@ -196,7 +196,7 @@ def lora_adapter_param_count(cfg: ModelConfig, adapters) -> int:
 def lora_train_flops_per_token(cfg: ModelConfig, adapters, seq_len: int | None = None) -> float:
   """Model FLOPs per token of a LoRA step (the formula above); full training without
   adapters (rank 0)."""
-  if not adapters.enabled:
+  if adapters is None or not adapters.enabled:
     return train_flops_per_token(cfg, seq_len)
   T = seq_len or cfg.seq_len
   attention = 6 * cfg.num_layers * T * cfg.num_heads * cfg.head_dim
@@ -216,8 +216,10 @@ def lora_matmul_flops_per_step(
   Q.K^T, and probs.V only when the attention output's adapter needs it (the frozen output
   projection's weight gradient, which would, is not computed); elementwise and full are
   estimates (x A again; the adapters' forward again), not checked against a compile.
-  Equal to the compiled CPU step's dot FLOPs for remat none and save_dots
-  (tests/test_lora.py)."""
+  Equal to the compiled CPU step's dot FLOPs for remat none and save_dots, and to the
+  LoRA benchmark's step at 512 H100 with sequence parallelism (tests/test_lora.py); without
+  it each tensor rank repeats x A of a column-parallel target for every token (its input is
+  replicated over them), 0.15% more there, which this count (each product once) leaves out."""
   base = matmul_flops_per_step(cfg, global_batch, context_ranks)
   if not adapters.enabled:
     return base

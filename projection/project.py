@@ -25,7 +25,7 @@ from collections.abc import Callable
 from errors import UserInputError
 from hardware import catalog
 from hardware.catalog import Hardware
-from model.flops import param_count, train_flops_per_token
+from model.flops import lora_train_flops_per_token, param_count, train_flops_per_token
 from projection import (
   aot_compile,
   collective_timing,
@@ -194,7 +194,9 @@ def record(
   timed = timing()
   cost = timed.cost
   tokens_per_s = tokens_per_step / cost.step_s
-  model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
+  # LoRA: no weight gradients for the frozen base (model/flops.py lora_train_flops_per_token).
+  per_token = lora_train_flops_per_token(exp.model, getattr(exp, "lora", None))
+  model_tflops = tokens_per_s * per_token / gpus / 1e12
   if compiled.uses_fp8 and hw.peak_tflops("fp8"):
     point["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
   if compiled.uses_fp4 and hw.peak_tflops("fp4"):
