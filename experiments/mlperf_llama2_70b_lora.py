@@ -144,7 +144,10 @@ def _variants() -> dict[str, ExperimentConfig]:
 
 def for_target(exp: ExperimentConfig, hardware: str, gpus: int) -> ExperimentConfig:
   """512 GPUs: the press claim's layout (TP 4, CP 2, GBS 64) on any generation, so H100
-  and H200 compare like for like; 8 and 1,024: the calibration layouts."""
+  and H200 compare like for like; 8 and 1,024: the calibration layouts. A replayed run
+  (`--set variant=..._as_run`) is kept as chosen."""
+  if isinstance(exp.benchmark, ReplayedRun):
+    return exp
   by_gpus = {8: "eos_8", 1024: "eos_1024", 512: "oracle_h100_512"}
   if gpus not in by_gpus:
     return exp
