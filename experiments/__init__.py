@@ -8,6 +8,7 @@ from typing import Any
 
 from errors import UserInputError
 from model.config import ModelConfig
+from model.lora import LoraConfig
 from parallelism.mesh import MeshConfig
 from train.config import TrainConfig
 
@@ -30,6 +31,8 @@ class ExperimentConfig:
   # on the target, as a tuned GPU run does (projection/aot_compile.py latency_profile): one
   # more compile per GPU count, and XLA overlaps collectives by their projected durations.
   latency_profile: bool = False
+  # LoRA fine-tuning (model/lora.py): rank 0, every parameter trains; `--set lora.rank=16`.
+  lora: LoraConfig = LoraConfig()
 
 
 def names() -> list[str]:

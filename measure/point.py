@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from errors import UserInputError
 from measure import fit, rates
-from model.flops import param_count, train_flops_per_token
+from model.flops import lora_train_flops_per_token, param_count
 from parallelism import mesh as mesh_lib
 from parallelism import one_f_one_b, pipeline
 from records.points import MeasuredPoint
@@ -64,7 +64,7 @@ def build_point(exp, devices: list) -> tuple[mesh_lib.MeshLayout, train_step.Tra
   layout = mesh_lib.plan(exp.mesh, len(devices))
   fit.check_activation_memory(exp, layout, devices)
   mesh = mesh_lib.build_mesh(layout, devices)
-  program = train_step.build(exp.model, exp.train, mesh)
+  program = train_step.build(exp.model, exp.train, mesh, exp.lora)
   fit.check_state_memory(program, exp.model.name, devices)
   return layout, program
 
@@ -139,7 +139,7 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
       hooks_lib.TensorBoardHook(
         tensorboard_dir,
         exp.train.global_batch * exp.model.seq_len,
-        train_flops_per_token(exp.model),
+        lora_train_flops_per_token(exp.model, exp.lora),
         layout.devices,
         peak,
       ),
@@ -170,7 +170,11 @@ def run_point(exp, mode: str, devices: list, options: PointOptions = PointOption
     platform=devices[0].platform,
     device_kind=devices[0].device_kind,
     **rates.summarize(
-      result, tokens_per_step, layout.devices, train_flops_per_token(exp.model), peak
+      result,
+      tokens_per_step,
+      layout.devices,
+      lora_train_flops_per_token(exp.model, exp.lora),
+      peak,
     ),
     peak_source=peak_source,
     tensorboard_dir=tensorboard_dir,

@@ -287,6 +287,26 @@ PRESETS: dict[str, ModelConfig] = {
   "llama3.1-405b": _llama3("llama3.1-405b", 126, 16384, 128, 53248, False, 8.0),
   "llama3.2-1b": _llama3("llama3.2-1b", 16, 2048, 32, 8192, True, 32.0),
   "llama3.2-3b": _llama3("llama3.2-3b", 28, 3072, 24, 8192, True, 32.0),
+  # Llama 2 70B (Touvron et al. 2023, arXiv:2307.09288, Table 1: 70B with grouped-query
+  # attention, context 4,096; Meta's params.json for Llama-2-70b: dim 8192, n_layers 80,
+  # n_heads 64, n_kv_heads 8, ffn_dim_multiplier 1.3 and multiple_of 4096, which make the
+  # SwiGLU width 28,672, norm_eps 1e-5, vocab 32,000, rope theta 10,000, no scaling):
+  # 68.98 B parameters, the base model of MLPerf's LoRA benchmark
+  # (experiments/mlperf_llama2_70b_lora.py runs it at the benchmark's 8,192 tokens).
+  "llama2-70b": ModelConfig(
+    name="llama2-70b",
+    num_layers=80,
+    d_model=8192,
+    num_heads=64,
+    head_dim=128,
+    num_kv_heads=8,
+    ffn_dim=28672,
+    seq_len=4096,
+    vocab_size=32000,
+    tie_embeddings=False,
+    compute_dtype="bfloat16",
+    **{**LLAMA3_ARCHITECTURE, "rope_theta": 10000.0},
+  ),
   # The Llama architecture at test size: 4 query heads sharing 2 K/V heads.
   "llama3-tiny": ModelConfig(
     name="llama3-tiny",

@@ -32,6 +32,7 @@ Recomputation (remat) is not model FLOPs: MFU deliberately ignores it. Rotary
 positions, norms and SwiGLU's product are elementwise, not counted.
 """
 
+from model import lora
 from model.config import ModelConfig
 
 
@@ -152,3 +153,89 @@ def matmul_flops_per_step(
   head = 3 * 2 * cfg.padded_vocab * D
   layers = (layer_rows or L) * per_layer * layer_passes
   return float(layers + head) * global_batch * T
+
+
+# LoRA (model/lora.py): the base weights are frozen, so their weight gradients are not
+# computed. A step's model FLOPs per token are then
+#
+#     4 * N_matmul  +  6 * L * T * H * K  +  6 * N_adapter
+#
+# the base matmuls forward (2N) and their input gradients (2N), which the adapters below
+# them need, but no weight gradients (the 2N that make 6N above); attention as before
+# (it has no weights: both operands' gradients flow); and each adapter weight 2 + 4 like
+# any trained weight. N_adapter = L * sum over targets of r * (in + out): r (D + (H + 2G)K)
+# for a fused QKV target (one A shared by Q and K/V), r (HK + D) for the attention output.
+# Llama 2 70B with MLPerf's adapters (rank 16 on QKV and the output projection) at
+# T = 8,192: N_matmul 68.7e9, N_adapter 44.6e6: 4N = 274.9e9, attention 6LTHK = 32.2e9,
+# 0.27e9 for the adapters: 307.3e9 a token, against 444.5e9 for full fine-tuning.
+
+
+def _lora_kernel_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+  """(in, out) features of each block kernel; qkv_kernel on a grouped-query model is the
+  fused target (one A on q and kv)."""
+  D, H, K, F, G = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff, cfg.kv_heads
+  return {
+    "qkv_kernel": (D, (H + 2 * G) * K),
+    "q_kernel": (D, H * K),
+    "kv_kernel": (D, 2 * G * K),
+    "out_kernel": (H * K, D),
+    "fc1_kernel": (D, (2 if cfg.mlp == "swiglu" else 1) * F),
+    "fc2_kernel": (F, D),
+  }
+
+
+def lora_adapter_param_count(cfg: ModelConfig, adapters) -> int:
+  """Trainable parameters of LoRA adapters (model/lora.py LoraConfig) on cfg: r (in + out) a
+  target kernel a layer."""
+  if not adapters.enabled:
+    return 0
+  sizes = _lora_kernel_sizes(cfg)
+  return cfg.num_layers * sum(adapters.rank * sum(sizes[t]) for t in adapters.target_names)
+
+
+def lora_train_flops_per_token(cfg: ModelConfig, adapters, seq_len: int | None = None) -> float:
+  """Model FLOPs per token of a LoRA step (the formula above); full training without
+  adapters (rank 0)."""
+  if adapters is None or not adapters.enabled:
+    return train_flops_per_token(cfg, seq_len)
+  T = seq_len or cfg.seq_len
+  attention = 6 * cfg.num_layers * T * cfg.num_heads * cfg.head_dim
+  return 4.0 * matmul_param_count(cfg) + attention + 6.0 * lora_adapter_param_count(cfg, adapters)
+
+
+def lora_matmul_flops_per_step(
+  cfg: ModelConfig, adapters, global_batch: int, context_ranks: int = 1
+) -> float:
+  """Matmul FLOPs of one compiled LoRA step (not pipelined), as `matmul_flops_per_step`
+  counts them: its count less the base weights' gradients (2 N_layer a layer and token, 2VD
+  for the head), plus the adapters' products. A target with k kernels sharing its A (k = 2
+  for the fused QKV of a grouped-query model, else 1): forward x A once (XLA merges the
+  two identical products) and (x A) B_i, 2r in + 2r sum(out_i); backward, per kernel, the
+  gradients of B_i, of x A, of A and of x, 4r (in + out_i) (JAX transposes each use of A
+  apart). Recomputation: remat none saves every dot; save_dots recomputes attention's
+  Q.K^T, and probs.V only when the attention output's adapter needs it (the frozen output
+  projection's weight gradient, which would, is not computed); elementwise and full are
+  estimates (x A again; the adapters' forward again), not checked against a compile.
+  Equal to the compiled CPU step's dot FLOPs for remat none and save_dots, and to the
+  LoRA benchmark's step at 512 H100 with sequence parallelism (tests/test_lora.py); without
+  it each tensor rank repeats x A of a column-parallel target for every token (its input is
+  replicated over them), 0.15% more there, which this count (each product once) leaves out."""
+  base = matmul_flops_per_step(cfg, global_batch, context_ranks)
+  if not adapters.enabled:
+    return base
+  tokens = global_batch * cfg.seq_len
+  frozen = cfg.num_layers * 2 * layer_matmul_param_count(cfg) + 2 * cfg.padded_vocab * cfg.d_model
+  sizes = _lora_kernel_sizes(cfg)
+  names = ("q_kernel", "kv_kernel") if cfg.grouped_query else ("qkv_kernel",)
+  r = adapters.rank
+  per_layer = 0.0
+  for a_name, shared in lora.groups(adapters.target_names, names + ("out_kernel",)):
+    fan_in = sizes[a_name][0]
+    outs = [sizes[k][1] for k in shared]
+    per_layer += 2 * r * fan_in + sum(2 * r * o + 4 * r * (fan_in + o) for o in outs)
+    per_layer += {"none": 0, "save_dots": 0, "elementwise": 2 * r * fan_in}.get(
+      cfg.remat, 2 * r * (fan_in + sum(outs))
+    )
+  if cfg.remat == "save_dots" and "out_kernel" not in adapters.target_names:
+    per_layer -= 2 * attended_keys(cfg, context_ranks) * cfg.num_heads * cfg.head_dim
+  return base - frozen * tokens + cfg.num_layers * per_layer * tokens

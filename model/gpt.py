@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import UserInputError
-from model import block_scaled, fp8, rope
+from model import block_scaled, fp8, lora, rope
 from model import matmul as dense
 from model.config import ModelConfig
 from parallelism import context, rules, sequence
@@ -83,7 +83,13 @@ def _ones(shape: tuple[int, ...], axes: tuple, dtype) -> nnx.Param:
 class Layers(nnx.Module):
   """All transformer blocks' parameters, stacked along a leading axis named `stack`."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: str = "layers"):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    rngs: nnx.Rngs,
+    stack: str = "layers",
+    adapters: lora.LoraConfig | None = None,
+  ):
     L, D, H, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     G = cfg.kv_heads
     dt = jnp.dtype(cfg.param_dtype)
@@ -129,6 +135,9 @@ class Layers(nnx.Module):
     self.fc2_kernel = _param(rngs.params(), (L, F, D), (stack, "mlp", "embed"), out_std, dt)
     if cfg.use_bias:
       self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if adapters is not None and adapters.enabled:
+      contracted = {name: _CONTRACTED_AXES.get(name, 1) for name in kernels(cfg)}
+      lora.add_adapters(self, adapters, contracted, rngs, dt)
 
 
 def layer_norm(
@@ -214,6 +223,9 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   matmul = weight_matmul(cfg)
 
   def tensor_parallel(spec, h, w, h_axes, w_axes, out_axes):
+    if isinstance(w, lora.LoraWeight):  # the frozen kernel's product plus its adapter's
+      y = tensor_parallel(spec, h, w.base, h_axes, w_axes, out_axes)
+      return constrain(y + lora.delta(spec, h, w, h_axes), out_axes)
     if cfg.sequence_parallel:
       return sequence.matmul(
         matmul,
@@ -309,7 +321,7 @@ def _grouped_qkv(cfg: ModelConfig, h: jax.Array, p: dict, tensor_parallel, biase
     # Every rank needs every K/V head: each computes them for its own sequence shard and
     # all-gathers the result, 2GK values a token against the D of the normed input that
     # gathering first would move, and no rank computes another's tokens.
-    matmul = weight_matmul(cfg)
+    matmul = lora.with_adapters(weight_matmul(cfg))
     kv = matmul("btd,dchk->btchk", h, p["kv_kernel"])
     kv = constrain(biased(kv, "kv_bias"), ("batch", "act_seq", "qkv", None, None))
     kv = _gathered(kv, kv_axes)
@@ -379,14 +391,22 @@ class GPT(nnx.Module):
   and the train step runs embed, the pipeline and head itself instead of __call__.
   """
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, pipelined: bool = False):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    rngs: nnx.Rngs,
+    pipelined: bool = False,
+    adapters: lora.LoraConfig | None = None,
+  ):
     cfg.validate()
     self.cfg = cfg
+    # LoRA (model/lora.py): adapters on the kernels it targets, the base frozen.
+    self.adapters = adapters if adapters is not None and adapters.enabled else None
     D, V, dt = cfg.d_model, cfg.padded_vocab, jnp.dtype(cfg.param_dtype)
     self.wte = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02, dt)
     if cfg.positions == "learned":
       self.wpe = _param(rngs.params(), (cfg.seq_len, D), ("position", "embed"), 0.01, dt)
-    self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers")
+    self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers", adapters)
     self.lnf_scale = _ones((D,), ("embed",), dt)
     if cfg.use_bias and cfg.norm == "layernorm":
       self.lnf_bias = _param(None, (D,), ("embed",), 0, dt)
@@ -401,10 +421,13 @@ class GPT(nnx.Module):
     # is vocab-parallel over tensor only; otherwise the partitioner replicates it.
     return constrain(self._cast(self.wte), ("vocab", None))
 
-  def layer_params(self, scales: dict | None = None) -> dict[str, jax.Array | fp8.CastWeight]:
+  def layer_params(
+    self, scales: dict | None = None, dropout_key: jax.Array | None = None
+  ) -> dict[str, jax.Array | fp8.CastWeight]:
     """The stacked layer parameters in the compute dtype; with FP8 the matmul kernels
     with their FP8 casts, with block scaling their quantizations, made once here for
-    every layer call of the step. scales:
+    every layer call of the step; with LoRA the target kernels as lora.LoraWeight (their
+    adapter dropout drawn from dropout_key). scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
     params = {
       name: self._cast(v) for name, v in vars(self.layers).items() if isinstance(v, nnx.Param)
@@ -434,6 +457,8 @@ class GPT(nnx.Module):
         # Laid out like the kernel: gathered whole as it is (see the FP8 case above).
         axes = getattr(self.layers, name).get_metadata()["axes"]
         params[name] = w._replace(cast=tuple(constrain(c, axes) for c in w.cast))
+    if self.adapters is not None:
+      params = lora.adapted(self.layers, params, scales or {}, self.adapters, dropout_key)
     return params
 
   def embed(self, tokens: jax.Array) -> jax.Array:

@@ -30,6 +30,8 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
   ("position", None),  # learned position rows
   ("layers", None),  # the scanned layer stack
   ("stage", "pipeline"),  # the same stack when pipelined: contiguous blocks per stage
+  # LoRA adapters' rank (model/lora.py): never split; their other axes are their kernel's.
+  ("lora_rank", None),
   # Activations.
   ("batch", ("data", "fsdp")),
   # The sequence inside tensor-parallel regions: split over `context` only (context

@@ -80,6 +80,7 @@ def compile_step(
   hw_name: str,
   gpus_per_node: int,
   profile: tuple[tuple[str, float], ...] = (),
+  adapters=None,
 ) -> CompiledStep:
   """The train step compiled for `sizes` on `hw_name`; with a latency `profile`
   (latency_profile) XLA's scheduler plans with those durations (CUDA targets only)."""
@@ -96,7 +97,7 @@ def compile_step(
   elif model_cfg.attention == "cudnn":
     model_cfg = dataclasses.replace(model_cfg, attention="xla")
     note = f"{note}; attention compiled as xla (cuDNN attention needs a CUDA target)"
-  program = train_step.build(model_cfg, train_cfg, mesh)
+  program = train_step.build(model_cfg, train_cfg, mesh, adapters)
   if target == "cuda":
     options.update(_scheduler_memory(hw_name, sharding.bytes_per_device(program.abstract_state)))
   # A GPU compile logs from C++ what only XLA's developers need (how many instructions a
@@ -198,11 +199,12 @@ def compiled_program(
   latency profile of that program on `hw`."""
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
-  step = compile_step(*args)
+  adapters = getattr(exp, "lora", None)  # LoRA fine-tuning (model/lora.py), or None
+  step = compile_step(*args, adapters=adapters)
   if not exp.latency_profile:
     return step, step.compile_s
   if step.compile_target != "cuda":
     note = f"{step.note}; no latency profile (a CUDA target's)"
     return dataclasses.replace(step, note=note), step.compile_s
-  tuned = compile_step(*args, latency_profile(step.program, hw, collective_s))
+  tuned = compile_step(*args, latency_profile(step.program, hw, collective_s), adapters)
   return tuned, step.compile_s + tuned.compile_s

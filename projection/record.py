@@ -5,7 +5,7 @@ import dataclasses
 from collections.abc import Callable
 
 from hardware.catalog import Hardware
-from model.flops import param_count, train_flops_per_token
+from model.flops import lora_train_flops_per_token, param_count, train_flops_per_token
 from projection import collective_timing, cost_model, hlo, layout, step_loops
 from records.points import ComposedEstimate, Composition, ProjectedPoint
 
@@ -120,7 +120,8 @@ def record(
   timed = timing()
   cost = timed.cost
   tokens_per_s = tokens_per_step / cost.step_s
-  model_tflops = tokens_per_s * train_flops_per_token(exp.model) / gpus / 1e12
+  # LoRA: no weight gradients for the frozen base (model/flops.py lora_train_flops_per_token).
+  model_tflops = tokens_per_s * lora_train_flops_per_token(exp.model, exp.lora) / gpus / 1e12
   if compiled.uses_fp8 and hw.peak_tflops("fp8"):
     point["mfu_fp8"] = model_tflops / hw.peak_tflops("fp8")
   if compiled.uses_fp4 and hw.peak_tflops("fp4"):

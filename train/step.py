@@ -19,18 +19,23 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from errors import UserInputError
-from model import fp8
+from model import fp8, lora
 from model.config import ModelConfig
-from model.gpt import GPT, kernels, residual_axes, run_layers
+from model.gpt import GPT, GROUPED_QUERY_KERNELS, KERNELS, kernels, residual_axes, run_layers
 from parallelism import context, gradients, pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
+
+# Every block kernel name of any model (lora.targets are checked against them).
+_KNOWN_KERNELS = tuple(dict.fromkeys(KERNELS + GROUPED_QUERY_KERNELS))
 
 
 class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar
   params: nnx.State  # model parameters, NNX variables carrying logical axes
-  opt_state: Any  # optax state; its moments mirror `params`
+  # optax state; its moments mirror `params`, or with LoRA only its adapters
+  # (model/lora.py: the rest is frozen)
+  opt_state: Any
   # FP8 delayed scaling: {kernel: fp8.AmaxHistory [L, 2, N]}, the layers in the stack's
   # order; empty otherwise.
   fp8_history: dict
@@ -61,16 +66,23 @@ class TrainProgram:
       return self.step.lower(self.abstract_state, self.abstract_batch(global_batch, seq_len))
 
 
-def loss_pieces(model_cfg: ModelConfig, graphdef: nnx.GraphDef) -> gradients.LossPieces:
-  """The GPT's loss as functions of its parameters, for the gradient strategies."""
-  model = lambda params: nnx.merge(graphdef, params)
+def loss_pieces(
+  model_cfg: ModelConfig,
+  graphdef: nnx.GraphDef,
+  frozen: nnx.State | None = None,
+  dropout_key: jax.Array | None = None,
+) -> gradients.LossPieces:
+  """The GPT's loss as functions of its parameters, for the gradient strategies. With
+  LoRA the parameters differentiated are the adapters, and `frozen` the rest (constants
+  of the step); dropout_key: this step's adapter dropout."""
+  model = lambda params: nnx.merge(graphdef, params, *([frozen] if frozen is not None else []))
 
   def split_params(params):
     return nnx.State({k: v for k, v in params.items() if k != "layers"}), params["layers"]
 
   return gradients.LossPieces(
     embed=lambda params, tokens: model(params).embed(tokens),
-    stack=lambda params, scales: model(params).layer_params(scales),
+    stack=lambda params, scales: model(params).layer_params(scales, dropout_key),
     run_layers=functools.partial(run_layers, model_cfg),
     head=lambda params, x: model(params).head(x),
     # The model runs the tokens in context parallelism's order: targets alike.
@@ -83,10 +95,18 @@ def loss_pieces(model_cfg: ModelConfig, graphdef: nnx.GraphDef) -> gradients.Los
   )
 
 
-def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainProgram:
-  """The train program of model_cfg and train_cfg on mesh; bad input raises UserInputError."""
+def build(
+  model_cfg: ModelConfig,
+  train_cfg: TrainConfig,
+  mesh: Mesh,
+  adapters: lora.LoraConfig | None = None,
+) -> TrainProgram:
+  """The train program of model_cfg and train_cfg on mesh; bad input raises UserInputError.
+  adapters: LoRA fine-tuning (model/lora.py), None or rank 0: every parameter trains."""
   model_cfg.validate()
   train_cfg.validate()
+  adapters = adapters or lora.LoraConfig()
+  adapters.validate(kernels(model_cfg), _KNOWN_KERNELS, model_cfg.fp8)
   tx = make_optimizer(train_cfg)
   schedule = learning_rate_schedule(train_cfg)
   stages, virtual = mesh.shape[pipeline.MESH_AXIS], train_cfg.virtual_stages
@@ -99,9 +119,15 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
 
   model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
+  if adapters.enabled and pipelined:
+    raise UserInputError(
+      f"lora.rank = {adapters.rank} with mesh.pipeline = {stages}: LoRA runs without "
+      "pipeline parallelism here (the published LoRA runs use none); set mesh.pipeline=1"
+    )
 
   def init() -> TrainState:
-    params = nnx.state(GPT(model_cfg, nnx.Rngs(train_cfg.seed), pipelined), nnx.Param)
+    model = GPT(model_cfg, nnx.Rngs(train_cfg.seed), pipelined, adapters)
+    params = nnx.state(model, nnx.Param)
     if pipelined:
       params["layers"] = pipeline.stage_order(params["layers"], stages, virtual)
     history = {}
@@ -117,7 +143,8 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
         name: fp8.new_history(rows, model_cfg.fp8_amax_history, stack_axis)
         for name in kernels(model_cfg)
       }
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), history)
+    opt_state = tx.init(lora.trainable_params(adapters, params))
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, history)
 
   data_ways = sharding.data_parallel_ways(mesh)
   if train_cfg.global_batch % data_ways:
@@ -149,7 +176,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     state_shardings = state_shardings._replace(
       opt_state=sharding.over_data(abstract.opt_state, mesh)
     )
-    if model_cfg.fp8:
+    if model_cfg.fp8 and not adapters.enabled:
       # The FP8 matmuls' kernels are kept split over `data` like their moments: the
       # forward reads only their casts, which each step all-gathers in FP8 (half the bytes
       # of gathering the updated bfloat16 kernels; Megatron's --fp8-param-gather).
@@ -162,7 +189,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
         },
       }
       state_shardings = state_shardings._replace(params=type(params)({**params, "layers": layers}))
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined)))
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined, adapters)))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -172,9 +199,18 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     history = {name: h[...] for name, h in state.fp8_history.items()}
     scales = {name: fp8.delayed_scales(h) for name, h in history.items()}
-    loss, (grads, amaxes) = loss_and_grads(state.params, scales, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    if adapters.enabled:
+      # Only the adapters are differentiated and updated; the rest are constants here.
+      trainable, frozen = nnx.split_state(state.params, lora.Adapter, ...)
+      key = jax.random.fold_in(jax.random.key(train_cfg.seed), state.step)
+      pieces = loss_pieces(model_cfg, graphdef, frozen, key)
+      loss, (grads, amaxes) = gradients.strategy(plan, pieces)(trainable, scales, batch)
+      updates, opt_state = tx.update(grads, state.opt_state, trainable)
+      params = nnx.merge_state(optax.apply_updates(trainable, updates), frozen)
+    else:
+      loss, (grads, amaxes) = loss_and_grads(state.params, scales, batch)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     metrics = {
       "loss": loss,
       "grad_norm": optax.tree.norm(grads),
