@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import UserInputError
-from model import block_scaled, fp8, rope
+from model import block_scaled, fp8, moe, rope
 from model import matmul as dense
 from model.config import ModelConfig
 from parallelism import context, rules, sequence
@@ -85,6 +85,8 @@ class Layers(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: str = "layers"):
     L, D, H, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
+    # Routed layers: the block's MLP is the shared experts (none: no fc1/fc2), model/moe.py.
+    F = cfg.shared_ffn_dim if cfg.moe else F
     G = cfg.kv_heads
     dt = jnp.dtype(cfg.param_dtype)
     std = 0.02
@@ -123,12 +125,15 @@ class Layers(nnx.Module):
     self.ln2_scale = _ones((L, D), (stack, "embed"), dt)
     if norm_bias:
       self.ln2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
-    self.fc1_kernel = _param(rngs.params(), (L, *fc1_shape), (stack, *fc1_axes), std, dt)
-    if cfg.use_bias:
-      self.fc1_bias = _param(None, (L, *fc1_shape[1:]), (stack, *fc1_axes[1:]), 0, dt)
-    self.fc2_kernel = _param(rngs.params(), (L, F, D), (stack, "mlp", "embed"), out_std, dt)
-    if cfg.use_bias:
-      self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if F:
+      self.fc1_kernel = _param(rngs.params(), (L, *fc1_shape), (stack, *fc1_axes), std, dt)
+      if cfg.use_bias:
+        self.fc1_bias = _param(None, (L, *fc1_shape[1:]), (stack, *fc1_axes[1:]), 0, dt)
+      self.fc2_kernel = _param(rngs.params(), (L, F, D), (stack, "mlp", "embed"), out_std, dt)
+      if cfg.use_bias:
+        self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if cfg.moe:
+      moe.init_params(self, cfg, rngs, stack, std, out_std)
 
 
 def layer_norm(
@@ -275,6 +280,12 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   )
   x = checkpoint_name(x, "mid_residual")
   h = norm(cfg, x, p, "ln2")
+  if cfg.moe:
+    # The routed experts' output joins the residual; the shared experts (if any) are the
+    # dense MLP below.
+    x = x + constrain(moe.routed(cfg, h, p)[0], residual)
+    if "fc1_kernel" not in p:
+      return x
   mlp_axes = ("batch", "length", "act_mlp")
   if cfg.mlp == "swiglu":
     gate_up_axes = ("batch", "length", None, "act_mlp")
@@ -356,6 +367,11 @@ def run_layers(
   unroll: the layer scan unrolled (the 1f1b schedule, so that a trip's forward and
   backward chunks are one loop body whose ops XLA can interleave).
   """
+  if "dense_prefix" in layer_params:
+    # A MoE model's first dense layers: their own stack, run first (not pipelined).
+    layer_params = dict(layer_params)
+    x = run_layers(cfg.dense_prefix(), x, layer_params.pop("dense_prefix"), unroll=unroll)
+    cfg = cfg.routed_stack()
   policy = _REMAT[cfg.remat]
   step = jax.checkpoint(
     lambda carry, p: (block(cfg, carry, p), None), policy=policy, prevent_cse=False
@@ -386,7 +402,11 @@ class GPT(nnx.Module):
     self.wte = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02, dt)
     if cfg.positions == "learned":
       self.wpe = _param(rngs.params(), (cfg.seq_len, D), ("position", "embed"), 0.01, dt)
-    self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers")
+    if cfg.moe and cfg.first_dense_layers:
+      self.dense_layers = Layers(cfg.dense_prefix(), rngs)
+      self.layers = Layers(cfg.routed_stack(), rngs, "stage" if pipelined else "layers")
+    else:
+      self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers")
     self.lnf_scale = _ones((D,), ("embed",), dt)
     if cfg.use_bias and cfg.norm == "layernorm":
       self.lnf_bias = _param(None, (D,), ("embed",), 0, dt)
@@ -409,6 +429,12 @@ class GPT(nnx.Module):
     params = {
       name: self._cast(v) for name, v in vars(self.layers).items() if isinstance(v, nnx.Param)
     }
+    if hasattr(self, "dense_layers"):
+      params["dense_prefix"] = {
+        name: self._cast(v)
+        for name, v in vars(self.dense_layers).items()
+        if isinstance(v, nnx.Param)
+      }
     if self.cfg.fp8:
       names = kernels(self.cfg)
       if scales and set(scales) != set(names):

@@ -26,7 +26,7 @@ def test_mesh_places_data_across_emulated_nodes():
   node = ids // layout.devices_per_node
   # Moving along data changes node; moving along fsdp or tensor stays inside one.
   assert (node[0] == 0).all() and (node[1] == 1).all()
-  assert mesh.axis_names == ("data", "fsdp", "context", "tensor", "pipeline")
+  assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor", "pipeline")
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 

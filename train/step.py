@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from errors import UserInputError
-from model import fp8
+from model import fp8, moe
 from model.config import ModelConfig
 from model.gpt import GPT, kernels, residual_axes, run_layers
 from parallelism import context, gradients, pipeline, sharding
@@ -98,6 +98,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     )
 
   model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
+  moe.check_mesh(model_cfg, dict(mesh.shape))
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
 
   def init() -> TrainState:
@@ -173,13 +174,18 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> TrainPr
     history = {name: h[...] for name, h in state.fp8_history.items()}
     scales = {name: fp8.delayed_scales(h) for name, h in history.items()}
     loss, (grads, amaxes) = loss_and_grads(state.params, scales, batch)
+    # Routed layers: the router biases' "gradients" are the experts' loads (model/moe.py).
+    grads, load = moe.take_loads(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    params = moe.balance(params, load, model_cfg.router_bias_rate)
     metrics = {
       "loss": loss,
       "grad_norm": optax.tree.norm(grads),
       "learning_rate": schedule(state.step),
     }
+    if load is not None:
+      metrics["expert_load_max_over_mean"] = moe.load_imbalance(load)
     history = {
       name: state.fp8_history[name].replace(fp8.record(h, amaxes[name]))
       for name, h in history.items()
