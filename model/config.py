@@ -282,11 +282,14 @@ class ModelConfig:
         f"model.num_layers = {self.num_layers} (at least one routed layer)"
       )
     groups, top_groups = self.router_groups, self.router_topk_groups
-    if groups < 1 or self.num_experts % groups or not 1 <= top_groups <= groups:
+    if groups < 1 or self.num_experts % groups:
       raise UserInputError(
-        f"model.router_groups = {groups} must divide model.num_experts = "
-        f"{self.num_experts}, and model.router_topk_groups = {top_groups} be between 1 "
-        "and it"
+        f"model.router_groups = {groups} must divide model.num_experts = {self.num_experts}"
+      )
+    if not 1 <= top_groups <= groups:
+      raise UserInputError(
+        f"model.router_topk_groups = {top_groups} must be between 1 and "
+        f"model.router_groups = {groups}"
       )
     if top_groups * (self.num_experts // groups) < self.experts_per_token:
       raise UserInputError(
