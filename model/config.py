@@ -120,6 +120,26 @@ class ModelConfig:
   # dropped. 0: dropless.
   capacity_factor: float = 0.0
   moe_dispatch: str = "capacity"  # one of MOE_DISPATCH
+  # Multi-head latent attention (model/mla.py; DeepSeek-V2/V3) when kv_lora_rank > 0: keys
+  # and values from a latent of this rank, queries from one of q_lora_rank (0: a plain
+  # projection), rope_head_dim rotary dims beside head_dim, values of v_head_dim (0: head_dim).
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  rope_head_dim: int = 64
+  v_head_dim: int = 0
+
+  @property
+  def mla(self) -> bool:
+    return self.kv_lora_rank > 0
+
+  @property
+  def value_head_dim(self) -> int:
+    return self.v_head_dim or self.head_dim
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Dims a query meets a key over: head_dim, plus the rotary ones with latent attention."""
+    return self.head_dim + (self.rope_head_dim if self.mla else 0)
 
   @property
   def moe(self) -> bool:
@@ -251,6 +271,34 @@ class ModelConfig:
           f"model.{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}"
         )
     self._validate_moe()
+    self._validate_mla()
+
+  def _validate_mla(self) -> None:
+    for field in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
+      if getattr(self, field) < 0:
+        raise UserInputError(f"model.{field} must be 0 or positive, got {getattr(self, field)}")
+    if not self.mla:
+      return
+    if self.rope_head_dim < 2 or self.rope_head_dim % 2:
+      raise UserInputError(
+        f"model.rope_head_dim must be a positive even number, got {self.rope_head_dim}"
+      )
+    if self.positions != "rope" or self.norm != "rmsnorm" or self.use_bias:
+      raise UserInputError(
+        "model.kv_lora_rank > 0 (latent attention) needs model.positions=rope, "
+        "model.norm=rmsnorm and model.use_bias=false"
+      )
+    if self.fp8 or self.block_scaling != "none" or self.sequence_parallel:
+      raise UserInputError(
+        "model.kv_lora_rank > 0 (latent attention) runs in the compute dtype without "
+        "sequence parallelism: set model.fp8=false, model.block_scaling=none and "
+        "model.sequence_parallel=false"
+      )
+    if self.attention != "xla":
+      raise UserInputError(
+        "model.kv_lora_rank > 0 (latent attention) needs model.attention=xla (its values "
+        "are narrower than its keys)"
+      )
 
   def _validate_moe(self) -> None:
     for field in (
@@ -396,8 +444,8 @@ LLAMA3_ARCHITECTURE = dict(
 # and 1 shared, 8 a token, sigmoid scores with bias balancing (u = 1e-3) in 8 groups, 4 a
 # token, scaled by 2.5, sequence balance loss 1e-4 (the MLPerf benchmark uses 0.01,
 # experiments/moe.py); 129,280 tokens, untied; docs/sources/mlperf-deepseek-v3-671b.md.
-# Its multi-head latent attention is stood in for by full multi-head attention of 128 heads
-# of 128 (not modelled yet): 2.5% more parameters (docs/moe.md).
+# Multi-head latent attention (model/mla.py): 128 heads, q_lora_rank 1,536, kv_lora_rank 512,
+# qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128.
 _MOE_ARCHITECTURE = dict(
   norm="rmsnorm",
   positions="rope",
@@ -461,10 +509,14 @@ MOE_PRESETS: dict[str, ModelConfig] = {
     router_groups=8,
     router_topk_groups=4,
     aux_loss_coef=1e-4,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    rope_head_dim=64,
     **_MOE_ARCHITECTURE,
   ),
   # Test size: 3 layers (1 dense), 8 experts of 32, 2 a token and a shared one, in 4
-  # groups of which a token's 2 best.
+  # groups of which a token's 2 best; latent attention with ranks 24 (q) and 16 (kv), 8
+  # rotary dims and values of 12.
   "moe-tiny": ModelConfig(
     name="moe-tiny",
     num_layers=3,
@@ -485,6 +537,10 @@ MOE_PRESETS: dict[str, ModelConfig] = {
     router_groups=4,
     router_topk_groups=2,
     aux_loss_coef=1e-2,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    rope_head_dim=8,
+    v_head_dim=12,
     **{**_MOE_ARCHITECTURE, "compute_dtype": "float32"},
   ),
 }

@@ -75,35 +75,40 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def _layer_param_count(cfg: ModelConfig) -> int:
-  L, D, H, K, F = (
-    cfg.num_layers,
-    cfg.d_model,
-    cfg.num_heads,
-    cfg.head_dim,
-    _ffn(cfg),
-  )
+  D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, _ffn(cfg)
   qkv_heads = H + 2 * cfg.kv_heads
   m = _mlp_matrices(cfg)
   # A norm has a scale [D], and a LayerNorm with biases a shift [D] too.
   norm = D * (2 if cfg.use_bias and cfg.norm == "layernorm" else 1)
   biases = (qkv_heads * K + D + (m - 1) * F + D) if cfg.use_bias else 0
-  per_layer = 2 * norm + D * qkv_heads * K + H * K * D + m * D * F + biases
+  per_layer = 2 * norm + _attention_matmul_params(cfg) + m * D * F + biases
+  if cfg.mla:
+    per_layer += cfg.q_lora_rank + cfg.kv_lora_rank  # the latents' RMSNorm scales
   if cfg.moe:
     E = cfg.num_experts
     per_layer += D * E + E + E * 3 * D * cfg.expert_ffn_dim
-  del L
   return per_layer
 
 
 def layer_matmul_param_count(cfg: ModelConfig, routed_experts: float | None = None) -> int:
   """One layer's matmul weights a token uses: Q/K/V, attention output and MLP (a routed
   layer: router, shared experts and `routed_experts` experts, by default k)."""
-  D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, _ffn(cfg)
-  n = D * (H + 2 * cfg.kv_heads) * K + H * K * D + _mlp_matrices(cfg) * D * F
+  D, F = cfg.d_model, _ffn(cfg)
+  n = _attention_matmul_params(cfg) + _mlp_matrices(cfg) * D * F
   if cfg.moe:
     k = cfg.experts_per_token if routed_experts is None else routed_experts
     n += D * cfg.num_experts + k * 3 * D * cfg.expert_ffn_dim
   return n
+
+
+def _attention_matmul_params(cfg: ModelConfig) -> int:
+  """Q/K/V and output projections; latent attention's down- and up-projections (model/mla.py)."""
+  D, H, K, V = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.value_head_dim
+  if not cfg.mla:
+    return D * (H + 2 * cfg.kv_heads) * K + H * K * D
+  Rq, Rkv, Rr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.rope_head_dim
+  q = D * Rq + Rq * H * (K + Rr) if Rq else D * H * (K + Rr)
+  return q + D * (Rkv + Rr) + Rkv * H * (K + V) + H * V * D
 
 
 def matmul_param_count(cfg: ModelConfig) -> int:
@@ -114,7 +119,9 @@ def matmul_param_count(cfg: ModelConfig) -> int:
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
   T = seq_len or cfg.seq_len
-  attention = 6 * cfg.num_layers * T * cfg.num_heads * cfg.head_dim
+  # Q.K^T over the query-key dims, probs.V over the value dims (both K but with latent
+  # attention): 3 L T H (K_qk + V), 6 L T H K for the others.
+  attention = 3 * cfg.num_layers * T * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
   return 6.0 * matmul_param_count(cfg) + attention
 
 
@@ -191,16 +198,10 @@ def _step_matmul_flops(
   layer_passes: float,
   routed_experts: float | None,
 ) -> float:
-  L, D, H, K, F, T = (
-    cfg.num_layers,
-    cfg.d_model,
-    cfg.num_heads,
-    cfg.head_dim,
-    _ffn(cfg),
-    cfg.seq_len,
-  )
+  L, D, H, F, T = cfg.num_layers, cfg.d_model, cfg.num_heads, _ffn(cfg), cfg.seq_len
   A = attended_keys(cfg, context_ranks)
-  scores = 4 * A * H * K  # one layer's attention matmuls, forward, a token
+  # One layer's attention matmuls, forward, a token (4 A H K but with latent attention).
+  scores = 2 * A * H * (cfg.qk_head_dim + cfg.value_head_dim)
   cudnn = cfg.attention == "cudnn"
   backward_scores = scores * (5 / 2 if cudnn else 2)
   weights = layer_matmul_param_count(cfg, routed_experts)

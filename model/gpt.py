@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import UserInputError
-from model import block_scaled, fp8, moe, rope
+from model import block_scaled, fp8, mla, moe, rope
 from model import matmul as dense
 from model.config import ModelConfig
 from parallelism import context, rules, sequence
@@ -103,7 +103,9 @@ class Layers(nnx.Module):
     self.ln1_scale = _ones((L, D), (stack, "embed"), dt)
     if norm_bias:
       self.ln1_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
-    if cfg.grouped_query:
+    if cfg.mla:
+      mla.init_params(self, cfg, rngs, stack, std)
+    elif cfg.grouped_query:
       self.q_kernel = _param(rngs.params(), (L, D, H, K), (stack, "embed", "heads", "kv"), std, dt)
       self.kv_kernel = _param(
         rngs.params(), (L, D, 2, G, K), (stack, "embed", "qkv", "kv_heads", "kv"), std, dt
@@ -118,7 +120,7 @@ class Layers(nnx.Module):
       if cfg.use_bias:
         self.qkv_bias = _param(None, (L, 3, H, K), (stack, "qkv", "heads", "kv"), 0, dt)
     self.out_kernel = _param(
-      rngs.params(), (L, H, K, D), (stack, "heads", "kv", "embed"), out_std, dt
+      rngs.params(), (L, H, cfg.value_head_dim, D), (stack, "heads", "kv", "embed"), out_std, dt
     )
     if cfg.use_bias:
       self.out_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
@@ -165,8 +167,9 @@ def norm(cfg: ModelConfig, x: jax.Array, p: dict, prefix: str) -> jax.Array:
 def attention(
   q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla", mask: jax.Array | None = None
 ) -> jax.Array:
-  """Causal softmax attention. q: [B, T, H, K], k, v: [B, S, G, K] with G dividing H
-  (query head h uses K/V head h // (H / G)) -> [B, T, H, K]; kind as ModelConfig.attention.
+  """Causal softmax attention. q: [B, T, H, K], k: [B, S, G, K], v: [B, S, G, V] with G
+  dividing H (query head h uses K/V head h // (H / G)) -> [B, T, H, V]; V is K but with
+  latent attention (model/mla.py); kind as ModelConfig.attention.
   mask [T, S] (True: attend; context parallelism's, by true positions), else causal by
   index (S = T)."""
   if kind == "cudnn":
@@ -181,14 +184,14 @@ def attention(
     scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
     scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqt,bthk->bqhk", probs, v)
+    return jnp.einsum("bhqt,bthv->bqhv", probs, v)
   # Grouped: each K/V head meets its H / G query heads in one batched matmul, with no
   # copy of K and V per query head.
   q = q.reshape(B, T, G, H // G, K)
   scores = jnp.einsum("bqgjk,btgk->bgjqt", q, k) / math.sqrt(K)  # [B, G, H/G, T, T]
   scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bgjqt,btgk->bqgjk", probs, v).reshape(B, T, H, K)
+  return jnp.einsum("bgjqt,btgv->bqgjv", probs, v).reshape(B, T, H, v.shape[-1])
 
 
 def residual_axes(cfg: ModelConfig) -> tuple[str, str, str]:
@@ -238,7 +241,9 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
   x = checkpoint_name(constrain(x, residual), "layer_input")
   h = norm(cfg, x, p, "ln1")
-  if cfg.grouped_query:
+  if cfg.mla:
+    q, k, v = mla.qkv(cfg, h, p)  # rotary dims already rotated
+  elif cfg.grouped_query:
     q, k, v = _grouped_qkv(cfg, h, p, tensor_parallel, biased)
   else:
     # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
@@ -249,7 +254,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     )
     qkv = checkpoint_name(constrain(biased(qkv, "qkv_bias"), qkv_axes), "qkv")
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-  if cfg.positions == "rope":
+  if cfg.positions == "rope" and not cfg.mla:
     # Each token's true position: with context parallelism the tokens are in
     # load-balanced order (parallelism/context.py).
     positions = context.positions(q.shape[1])

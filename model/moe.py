@@ -34,12 +34,15 @@ to expert-split (`expert` mesh axis), which the partitioner emits as an all-to-a
 through the experts as two batched matmuls, resharded back (the second all-to-all) and
 combined by index with the gates.
 
-Grouped GEMMs as capacity-buffer einsums, not jax.lax.ragged_dot: the buffer's static
-[E, C] shape is what lets the GSPMD partitioner split the experts over `expert` with sharding
-constraints alone (ragged_dot's group sizes are data, so splitting its rows over devices
-needs a shard_map with ragged_all_to_all), and its matmuls have the shapes a balanced
-routing gives, which is what the projection costs (routing taken as balanced). The price is
-padding: C slots per expert whether filled or not (dropless: E / k times the assigned tokens).
+Grouped GEMMs as capacity-buffer einsums, not jax.lax.ragged_dot. jax 0.10.2 compiles
+ragged_dot for a CUDA target (deviceless, projection/aot_compile.py) as a dense dot over
+every group, the input masked per group: DeepSeek-V3's up-projection on one GPU of EP 32
+([4,096, 7,168] x [32, 7,168, 2,048]) compiles to 32.0x the grouped GEMM's FLOPs, forward and
+backward (`python benchmarks/ragged_dot_check.py`). The buffer's static [E, C] shape also lets
+the GSPMD partitioner split the experts over `expert` with sharding constraints alone, and
+its matmuls have the shapes a balanced routing gives, which is what the projection costs
+(routing taken as balanced). The price is padding: C slots per expert whether filled or not
+(capacity_factor x the assigned tokens; dropless, E / k times).
 
 Shapes: B sequences, T tokens, D d_model, E experts, k experts a token, C capacity, F expert
 width, G router groups.

@@ -334,7 +334,7 @@ BAD_INPUT = {
   "model-parallel": (("h100", "72"), "the other axes (64) do not divide the 72 devices"),
   "global batch": (
     ("h100", "640"),
-    "train.global_batch = 1536 does not divide over the 80 data x fsdp replicas of 640 GPUs",
+    "train.global_batch = 1536 does not divide over the 80 data x fsdp x expert replicas of 640 GPUs",
   ),
   "not a number": (("h100", "5l2"), "--gpus takes positive whole numbers, got '5l2'"),
 }
