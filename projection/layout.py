@@ -87,6 +87,7 @@ def rack_aligned_domain(
       devices_per_node=gpus_per_node,
       nvlink_domain=nvlink_domain,
       allow_tensor_beyond_nvlink=True,
+      allow_expert_beyond_nvlink=True,
     ),
     gpus,
   ).sizes
