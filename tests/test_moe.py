@@ -100,6 +100,19 @@ def test_sharded_moe_step_matches_one_device(mesh_cfg):
     np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+def test_accumulated_micro_batches_match_the_whole_batch():
+  """Two micro-batches of 4 accumulated: the balance loss's gradient and the experts' loads
+  are averaged like the language-model loss's gradient, so the step is the whole batch's."""
+  train = dataclasses.replace(TRAIN, micro_batch=4)
+  mesh = build_mesh(plan(MeshConfig(data=1, devices_per_node=1), 1), jax.devices()[:1])
+  losses, imbalance, params = _train(train_step.build(MODEL, train, mesh), MODEL)
+  losses_1, imbalance_1, params_1 = _one_device(MODEL)
+  np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
+  np.testing.assert_allclose(imbalance, imbalance_1, rtol=1e-6)  # ratios of float32 means
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
 def test_moe_trains():
   """moe-tiny on the learnable task, one device: the loss falls over 20 steps."""
   losses = _train(_program(MODEL, MeshConfig(data=1), 1), MODEL, steps=20)[0]
