@@ -134,7 +134,8 @@ class ModelConfig:
 
   @property
   def value_head_dim(self) -> int:
-    return self.v_head_dim or self.head_dim
+    """Value dims a head: v_head_dim with latent attention (0: head_dim), else head_dim."""
+    return (self.v_head_dim or self.head_dim) if self.mla else self.head_dim
 
   @property
   def qk_head_dim(self) -> int:
