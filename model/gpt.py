@@ -432,7 +432,11 @@ class GPT(nnx.Module):
     every layer call of the step. scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
     params = {
-      name: self._cast(v) for name, v in vars(self.layers).items() if isinstance(v, nnx.Param)
+      # The router biases stay in the parameter dtype: their cotangents are token counts
+      # (model/moe.py), which bfloat16 would round.
+      name: v[...] if name == moe.BIAS else self._cast(v)
+      for name, v in vars(self.layers).items()
+      if isinstance(v, nnx.Param)
     }
     if hasattr(self, "dense_layers"):
       params["dense_prefix"] = {
