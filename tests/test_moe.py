@@ -21,7 +21,7 @@ from model import flops, moe
 from model.config import ModelConfig, preset
 from model.gpt import GPT
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import hlo
+from projection import hlo, project, targets
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -247,6 +247,30 @@ def test_matmul_flops_formula_counts_the_compiled_moe_step():
   step = train_step.build(model, TrainConfig(global_batch=2), mesh)
   program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
   assert hlo.dot_flops(program) == flops.matmul_flops_per_step(model, 2)
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="no deviceless CUDA target")
+def test_expert_all_to_all_is_costed_on_nvlink_or_infiniband():
+  """moe-tiny with 16 experts over EP 16, projected (deviceless CUDA compile): on 16 H100
+  (two 8-GPU nodes) the expert group crosses InfiniBand, on 16 GB200 it sits in one NVL72
+  rack. The only exposed communication is on `expert`, and it costs more over the NICs."""
+  exp = overrides.apply(
+    experiments.load("moe"),
+    [
+      "model.num_experts=16",
+      "model.compute_dtype=bfloat16",
+      "mesh.expert=16",
+      "mesh.tensor=1",
+      "mesh.data=-1",
+      "mesh.allow_expert_beyond_nvlink=true",
+      "train.global_batch=32",
+      "train.micro_batch=1",
+    ],
+  )
+  h100, gb200 = (project.project(exp, hw, 16) for hw in ("h100", "gb200"))
+  by_axis = [r["breakdown"]["exposed_comm_by_axis_s"] for r in (h100, gb200)]
+  assert all(set(axes) == {"expert"} for axes in by_axis), by_axis
+  assert by_axis[0]["expert"] > 2 * by_axis[1]["expert"], by_axis
 
 
 def _param_count(name: str) -> int:
