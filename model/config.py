@@ -33,6 +33,12 @@ POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu")
 # Block-scaled weight-matmul formats (model/block_scaled.py), or none.
 BLOCK_SCALING = ("none", "mxfp8", "nvfp4")
+# Router scores of a mixture of experts (model/moe.py): softmax over the experts (Mixtral,
+# Qwen3-MoE) or a sigmoid per expert (DeepSeek-V3).
+ROUTER_SCORES = ("softmax", "sigmoid")
+# How tokens reach their experts: capacity buffers resharded by the GSPMD partitioner (an
+# all-to-all each way; model/moe.py).
+MOE_DISPATCH = ("capacity",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,78 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_seq_len: int = 8192
+  # Mixture of experts (model/moe.py); num_experts 0: every layer dense. Otherwise every
+  # layer after the first `first_dense_layers` routes each token to experts_per_token of
+  # num_experts SwiGLU experts of width moe_ffn_dim (0: ffn_dim), plus num_shared_experts
+  # shared ones every token passes through.
+  num_experts: int = 0
+  experts_per_token: int = 2
+  moe_ffn_dim: int = 0
+  num_shared_experts: int = 0
+  first_dense_layers: int = 0
+  router_score: str = "softmax"  # one of ROUTER_SCORES
+  # The k gates renormalised to sum to 1, then scaled (DeepSeek-V3's routed_scaling_factor).
+  router_topk_norm: bool = True
+  router_scale: float = 1.0
+  # DeepSeek-V3's aux-loss-free balancing: the selection bias's step a train step (its u);
+  # 0: no bias.
+  router_bias_rate: float = 0.0
+  # Group-limited routing: experts in router_groups groups, a token's experts from its
+  # router_topk_groups best groups (1, 1: unlimited).
+  router_groups: int = 1
+  router_topk_groups: int = 1
+  # The sequence-wise balance loss's coefficient (DeepSeek-V3's alpha; 0: none).
+  aux_loss_coef: float = 0.0
+  # Slots per expert = capacity_factor x k T / E per sequence; assignments beyond are
+  # dropped. 0: dropless.
+  capacity_factor: float = 0.0
+  moe_dispatch: str = "capacity"  # one of MOE_DISPATCH
+  # Multi-head latent attention (model/mla.py; DeepSeek-V2/V3) when kv_lora_rank > 0: keys
+  # and values from a latent of this rank, queries from one of q_lora_rank (0: a plain
+  # projection), rope_head_dim rotary dims beside head_dim, values of v_head_dim (0: head_dim).
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  rope_head_dim: int = 64
+  v_head_dim: int = 0
+
+  @property
+  def mla(self) -> bool:
+    return self.kv_lora_rank > 0
+
+  @property
+  def value_head_dim(self) -> int:
+    """Value dims a head: v_head_dim with latent attention (0: head_dim), else head_dim."""
+    return (self.v_head_dim or self.head_dim) if self.mla else self.head_dim
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Dims a query meets a key over: head_dim, plus the rotary ones with latent attention."""
+    return self.head_dim + (self.rope_head_dim if self.mla else 0)
+
+  @property
+  def moe(self) -> bool:
+    return self.num_experts > 0
+
+  @property
+  def expert_ffn_dim(self) -> int:
+    return self.moe_ffn_dim or self.d_ff
+
+  @property
+  def shared_ffn_dim(self) -> int:
+    """The shared experts as one SwiGLU MLP (the block's fc1/fc2) of this width."""
+    return self.num_shared_experts * self.expert_ffn_dim
+
+  @property
+  def moe_layers(self) -> int:
+    return self.num_layers - self.first_dense_layers if self.moe else 0
+
+  def dense_prefix(self) -> "ModelConfig":
+    """The first_dense_layers dense layers' configuration (a stack of their own)."""
+    return dataclasses.replace(self, num_layers=self.first_dense_layers, num_experts=0)
+
+  def routed_stack(self) -> "ModelConfig":
+    """The routed layers' configuration (the main stack)."""
+    return dataclasses.replace(self, num_layers=self.moe_layers, first_dense_layers=0)
 
   @property
   def d_ff(self) -> int:
@@ -193,6 +271,94 @@ class ModelConfig:
         raise UserInputError(
           f"model.{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}"
         )
+    self._validate_moe()
+    self._validate_mla()
+
+  def _validate_mla(self) -> None:
+    for field in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
+      if getattr(self, field) < 0:
+        raise UserInputError(f"model.{field} must be 0 or positive, got {getattr(self, field)}")
+    if not self.mla:
+      return
+    if self.rope_head_dim < 2 or self.rope_head_dim % 2:
+      raise UserInputError(
+        f"model.rope_head_dim must be a positive even number, got {self.rope_head_dim}"
+      )
+    if self.positions != "rope" or self.norm != "rmsnorm" or self.use_bias:
+      raise UserInputError(
+        "model.kv_lora_rank > 0 (latent attention) needs model.positions=rope, "
+        "model.norm=rmsnorm and model.use_bias=false"
+      )
+    if self.fp8 or self.block_scaling != "none" or self.sequence_parallel:
+      raise UserInputError(
+        "model.kv_lora_rank > 0 (latent attention) runs in the compute dtype without "
+        "sequence parallelism: set model.fp8=false, model.block_scaling=none and "
+        "model.sequence_parallel=false"
+      )
+    if self.attention != "xla":
+      raise UserInputError(
+        "model.kv_lora_rank > 0 (latent attention) needs model.attention=xla (its values "
+        "are narrower than its keys)"
+      )
+
+  def _validate_moe(self) -> None:
+    for field in (
+      "num_experts",
+      "moe_ffn_dim",
+      "num_shared_experts",
+      "first_dense_layers",
+      "router_bias_rate",
+      "aux_loss_coef",
+      "capacity_factor",
+    ):
+      if getattr(self, field) < 0:
+        raise UserInputError(f"model.{field} must be 0 or positive, got {getattr(self, field)}")
+    if not self.moe:
+      return
+    for field, allowed in (("router_score", ROUTER_SCORES), ("moe_dispatch", MOE_DISPATCH)):
+      if getattr(self, field) not in allowed:
+        raise UserInputError(
+          f"model.{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}"
+        )
+    if not 1 <= self.experts_per_token <= self.num_experts:
+      raise UserInputError(
+        f"model.experts_per_token = {self.experts_per_token} must be between 1 and "
+        f"model.num_experts = {self.num_experts}"
+      )
+    if self.first_dense_layers >= self.num_layers:
+      raise UserInputError(
+        f"model.first_dense_layers = {self.first_dense_layers} must be below "
+        f"model.num_layers = {self.num_layers} (at least one routed layer)"
+      )
+    groups, top_groups = self.router_groups, self.router_topk_groups
+    if groups < 1 or self.num_experts % groups:
+      raise UserInputError(
+        f"model.router_groups = {groups} must divide model.num_experts = {self.num_experts}"
+      )
+    if not 1 <= top_groups <= groups:
+      raise UserInputError(
+        f"model.router_topk_groups = {top_groups} must be between 1 and "
+        f"model.router_groups = {groups}"
+      )
+    if top_groups * (self.num_experts // groups) < self.experts_per_token:
+      raise UserInputError(
+        f"model.router_topk_groups = {top_groups} groups of "
+        f"{self.num_experts // groups} experts hold fewer than model.experts_per_token "
+        f"= {self.experts_per_token}"
+      )
+    if not self.router_scale > 0:
+      raise UserInputError(f"model.router_scale must be positive, got {self.router_scale}")
+    # What model/moe.py builds: SwiGLU experts without biases, in the compute dtype.
+    if self.mlp != "swiglu" or self.use_bias:
+      raise UserInputError(
+        "model.num_experts > 0 needs model.mlp=swiglu and model.use_bias=false "
+        "(the experts are SwiGLU without biases)"
+      )
+    if self.fp8 or self.block_scaling != "none":
+      raise UserInputError(
+        "model.num_experts > 0 runs its matmuls in the compute dtype: set "
+        "model.fp8=false and model.block_scaling=none (--set precision=bf16)"
+      )
 
   def validate_context(self, context: int, tensor: int, pipeline: int) -> None:
     """The model on a mesh with `context` context-parallel ranks (parallelism/context.py)."""
@@ -268,6 +434,120 @@ LLAMA3_ARCHITECTURE = dict(
 )
 
 
+# Mixtures of experts (model/moe.py). Shapes from each model's published config.json:
+# Mixtral 8x7B (https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json;
+# Jiang et al. 2024, arXiv:2401.04088): 8 experts, 2 a token, softmax router.
+# Qwen3-30B-A3B (https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json): 128 experts
+# of 768, 8 a token, top-k renormalised, 4 K/V heads of 128 (32 x 128 = 4,096 > d_model 2,048);
+# Qwen3's q/k RMSNorm (2 x 128 scales a layer) is not modelled.
+# DeepSeek-V3 (https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json;
+# arXiv:2412.19437): 61 layers, the first 3 dense (FFN 18,432), 256 routed experts of 2,048
+# and 1 shared, 8 a token, sigmoid scores with bias balancing (u = 1e-3) in 8 groups, 4 a
+# token, scaled by 2.5, sequence balance loss 1e-4 (the MLPerf benchmark uses 0.01,
+# experiments/moe.py); 129,280 tokens, untied; docs/sources/mlperf-deepseek-v3-671b.md.
+# Multi-head latent attention (model/mla.py): 128 heads, q_lora_rank 1,536, kv_lora_rank 512,
+# qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128.
+_MOE_ARCHITECTURE = dict(
+  norm="rmsnorm",
+  positions="rope",
+  mlp="swiglu",
+  use_bias=False,
+  tie_embeddings=False,
+  compute_dtype="bfloat16",
+)
+MOE_PRESETS: dict[str, ModelConfig] = {
+  "mixtral-8x7b": ModelConfig(
+    name="mixtral-8x7b",
+    num_layers=32,
+    d_model=4096,
+    num_heads=32,
+    head_dim=128,
+    num_kv_heads=8,
+    ffn_dim=14336,
+    seq_len=4096,
+    vocab_size=32000,
+    norm_eps=1e-5,
+    rope_theta=1e6,
+    num_experts=8,
+    experts_per_token=2,
+    **_MOE_ARCHITECTURE,
+  ),
+  "qwen3-30b-a3b": ModelConfig(
+    name="qwen3-30b-a3b",
+    num_layers=48,
+    d_model=2048,
+    num_heads=32,
+    head_dim=128,
+    num_kv_heads=4,
+    ffn_dim=6144,
+    moe_ffn_dim=768,
+    seq_len=4096,
+    vocab_size=151936,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    num_experts=128,
+    experts_per_token=8,
+    **_MOE_ARCHITECTURE,
+  ),
+  "deepseek-v3-671b": ModelConfig(
+    name="deepseek-v3-671b",
+    num_layers=61,
+    d_model=7168,
+    num_heads=128,
+    head_dim=128,
+    ffn_dim=18432,
+    moe_ffn_dim=2048,
+    seq_len=4096,
+    vocab_size=129280,
+    norm_eps=1e-6,
+    num_experts=256,
+    experts_per_token=8,
+    num_shared_experts=1,
+    first_dense_layers=3,
+    router_score="sigmoid",
+    router_scale=2.5,
+    router_bias_rate=1e-3,
+    router_groups=8,
+    router_topk_groups=4,
+    aux_loss_coef=1e-4,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    rope_head_dim=64,
+    **_MOE_ARCHITECTURE,
+  ),
+  # Test size: 3 layers (1 dense), 8 experts of 32, 2 a token and a shared one, in 4
+  # groups of which a token's 2 best; latent attention with ranks 24 (q) and 16 (kv), 8
+  # rotary dims and values of 8 (queries and keys 16). Values of 12 made XLA's GPU compiler
+  # (jax 0.10.2) fail on the [16, 4 x 20] weight gradient ("Couldn't find output tile sizes").
+  "moe-tiny": ModelConfig(
+    name="moe-tiny",
+    num_layers=3,
+    d_model=32,
+    num_heads=4,
+    head_dim=8,
+    num_kv_heads=2,
+    ffn_dim=64,
+    moe_ffn_dim=32,
+    seq_len=16,
+    vocab_size=128,
+    num_experts=8,
+    experts_per_token=2,
+    num_shared_experts=1,
+    first_dense_layers=1,
+    router_score="sigmoid",
+    router_bias_rate=1e-3,
+    router_groups=4,
+    router_topk_groups=2,
+    aux_loss_coef=1e-2,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    rope_head_dim=8,
+    v_head_dim=8,
+    **{**_MOE_ARCHITECTURE, "compute_dtype": "float32"},
+  ),
+}
+
+
 # Table 2.1 of the GPT-3 paper. Its 13B row says d_model 5140 with 40 heads of 128;
 # 40 x 128 = 5120, the width every reimplementation (Megatron, NeMo) uses.
 PRESETS: dict[str, ModelConfig] = {
@@ -317,6 +597,7 @@ PRESETS: dict[str, ModelConfig] = {
     **LLAMA3_ARCHITECTURE,
     rope_scale_factor=8.0,
   ),
+  **MOE_PRESETS,
 }
 
 

@@ -28,11 +28,22 @@ Llama 3.1 405B at T = 8,192 (D 16,384, L 126, H 128, G 8, K 128, F 53,248, V 128
 N_matmul = 403.8e9 (of the 405.9e9 parameters, less the 2.1e9 input embedding and the
 norms), 6N = 2.42e12, attention 6LTHK = 0.10e12, 2.52e12 FLOPs per token.
 
+Mixtures of experts (model/moe.py) count active weights: a routed layer's MLP term is
+
+    D * E                 the router
+    3 * D * S             the shared experts (S = num_shared_experts x Fe)
+    k * 3 * D * Fe        the k routed experts a token goes through
+
+and its parameters hold all E experts (3 * D * Fe each) and the router's bias [E]. The
+first_dense_layers layers count as dense ones. DeepSeek-V3 671B with full multi-head attention
+standing in for its MLA (model/config.py): 688.3e9 parameters, 37.9e9 active matmul weights
+(docs/moe.md has the figures against the published 671e9 and 37e9).
+
 Recomputation (remat) is not model FLOPs: MFU deliberately ignores it. Rotary
 positions, norms and SwiGLU's product are elementwise, not counted.
 """
 
-from model import lora
+from model import lora, moe
 from model.config import ModelConfig
 
 
@@ -41,40 +52,76 @@ def _mlp_matrices(cfg: ModelConfig) -> int:
   return 3 if cfg.mlp == "swiglu" else 2
 
 
+def _stacks(cfg: ModelConfig) -> list[ModelConfig]:
+  """The model's layer stacks, each a configuration whose num_layers is its depth: a MoE
+  model's dense first layers and its routed layers; a dense model's one stack."""
+  if cfg.moe and cfg.first_dense_layers:
+    return [cfg.dense_prefix(), cfg.routed_stack()]
+  return [cfg]
+
+
+def _ffn(cfg: ModelConfig) -> int:
+  """The block's own MLP width: the shared experts' in a routed layer."""
+  return cfg.shared_ffn_dim if cfg.moe else cfg.d_ff
+
+
 def param_count(cfg: ModelConfig) -> int:
   """Every parameter, embeddings, norms and biases included (model/gpt.py's shapes)."""
-  L, D, H, K, F, V = (
-    cfg.num_layers,
-    cfg.d_model,
-    cfg.num_heads,
-    cfg.head_dim,
-    cfg.d_ff,
-    cfg.padded_vocab,
-  )
+  D, V = cfg.d_model, cfg.padded_vocab
+  norm = D * (2 if cfg.use_bias and cfg.norm == "layernorm" else 1)
+  positions = cfg.seq_len * D if cfg.positions == "learned" else 0
+  embeddings = V * D + positions + (0 if cfg.tie_embeddings else D * V)
+  return sum(s.num_layers * _layer_param_count(s) for s in _stacks(cfg)) + embeddings + norm
+
+
+def _layer_param_count(cfg: ModelConfig) -> int:
+  D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, _ffn(cfg)
   qkv_heads = H + 2 * cfg.kv_heads
   m = _mlp_matrices(cfg)
   # A norm has a scale [D], and a LayerNorm with biases a shift [D] too.
   norm = D * (2 if cfg.use_bias and cfg.norm == "layernorm" else 1)
   biases = (qkv_heads * K + D + (m - 1) * F + D) if cfg.use_bias else 0
-  per_layer = 2 * norm + D * qkv_heads * K + H * K * D + m * D * F + biases
-  positions = cfg.seq_len * D if cfg.positions == "learned" else 0
-  embeddings = V * D + positions + (0 if cfg.tie_embeddings else D * V)
-  return L * per_layer + embeddings + norm
+  per_layer = 2 * norm + _attention_matmul_params(cfg) + m * D * F + biases
+  if cfg.mla:
+    per_layer += cfg.q_lora_rank + cfg.kv_lora_rank  # the latents' RMSNorm scales
+  if cfg.moe:
+    E = cfg.num_experts
+    per_layer += D * E + E + E * 3 * D * cfg.expert_ffn_dim
+  return per_layer
 
 
-def layer_matmul_param_count(cfg: ModelConfig) -> int:
-  """One layer's matmul weights: Q/K/V, attention output and MLP."""
-  D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
-  return D * (H + 2 * cfg.kv_heads) * K + H * K * D + _mlp_matrices(cfg) * D * F
+def layer_matmul_param_count(cfg: ModelConfig, routed_experts: float | None = None) -> int:
+  """One layer's matmul weights a token uses: Q/K/V, attention output and MLP (a routed
+  layer: router, shared experts and `routed_experts` experts, by default k)."""
+  D, F = cfg.d_model, _ffn(cfg)
+  n = _attention_matmul_params(cfg) + _mlp_matrices(cfg) * D * F
+  if cfg.moe:
+    k = cfg.experts_per_token if routed_experts is None else routed_experts
+    n += D * cfg.num_experts + k * 3 * D * cfg.expert_ffn_dim
+  return n
+
+
+def _attention_matmul_params(cfg: ModelConfig) -> int:
+  """Q/K/V and output projections; latent attention's down- and up-projections (model/mla.py)."""
+  D, H, K, V = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.value_head_dim
+  if not cfg.mla:
+    return D * (H + 2 * cfg.kv_heads) * K + H * K * D
+  Rq, Rkv, Rr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.rope_head_dim
+  q = D * Rq + Rq * H * (K + Rr) if Rq else D * H * (K + Rr)
+  return q + D * (Rkv + Rr) + Rkv * H * (K + V) + H * V * D
 
 
 def matmul_param_count(cfg: ModelConfig) -> int:
-  return cfg.num_layers * layer_matmul_param_count(cfg) + cfg.padded_vocab * cfg.d_model
+  """Matmul weights a token uses (active ones in a mixture of experts)."""
+  layers = sum(s.num_layers * layer_matmul_param_count(s) for s in _stacks(cfg))
+  return layers + cfg.padded_vocab * cfg.d_model
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
   T = seq_len or cfg.seq_len
-  attention = 6 * cfg.num_layers * T * cfg.num_heads * cfg.head_dim
+  # Q.K^T over the query-key dims, probs.V over the value dims (both K but with latent
+  # attention): 3 L T H (K_qk + V), 6 L T H K for the others.
+  attention = 3 * cfg.num_layers * T * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
   return 6.0 * matmul_param_count(cfg) + attention
 
 
@@ -130,24 +177,40 @@ def matmul_flops_per_step(
   written, that layout under each policy with either attention, and small models with
   each policy on CPU.
   """
-  L, D, H, K, F, T = (
-    cfg.num_layers,
-    cfg.d_model,
-    cfg.num_heads,
-    cfg.head_dim,
-    cfg.d_ff,
-    cfg.seq_len,
-  )
+  if cfg.moe:
+    # Each stack at its own depth; a routed layer's expert matmuls run over the capacity
+    # buffer's E x C slots a sequence, not the k T assignments (model/moe.py). Equal to a
+    # compiled moe-tiny step's dot FLOPs (tests/test_moe.py).
+    head = 3 * 2 * cfg.padded_vocab * cfg.d_model * global_batch * cfg.seq_len
+    total = -float(len(_stacks(cfg)) - 1) * head
+    for s in _stacks(cfg):
+      slots = moe.capacity(s, s.seq_len) * s.num_experts / s.seq_len if s.moe else None
+      total += _step_matmul_flops(s, global_batch, context_ranks, None, 1.0, slots)
+    return total
+  return _step_matmul_flops(cfg, global_batch, context_ranks, layer_rows, layer_passes, None)
+
+
+def _step_matmul_flops(
+  cfg: ModelConfig,
+  global_batch: int,
+  context_ranks: int,
+  layer_rows: int | None,
+  layer_passes: float,
+  routed_experts: float | None,
+) -> float:
+  L, D, H, F, T = cfg.num_layers, cfg.d_model, cfg.num_heads, _ffn(cfg), cfg.seq_len
   A = attended_keys(cfg, context_ranks)
-  scores = 4 * A * H * K  # one layer's attention matmuls, forward, a token
+  # One layer's attention matmuls, forward, a token (4 A H K but with latent attention).
+  scores = 2 * A * H * (cfg.qk_head_dim + cfg.value_head_dim)
   cudnn = cfg.attention == "cudnn"
   backward_scores = scores * (5 / 2 if cudnn else 2)
-  layer_forward = 2 * layer_matmul_param_count(cfg) + scores
+  weights = layer_matmul_param_count(cfg, routed_experts)
+  layer_forward = 2 * weights + scores
   recompute = {
     "none": scores if cudnn else 0,
     "save_dots": scores,
     "elementwise": scores if cudnn else scores / 2,
-    "full": 2 * (layer_matmul_param_count(cfg) - D * F) + scores,
+    "full": 2 * (weights - D * F) + scores,
   }[cfg.remat]
   per_layer = layer_forward + (layer_forward - scores) * 2 + backward_scores + recompute
   head = 3 * 2 * cfg.padded_vocab * D

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import UserInputError
-from model import block_scaled, fp8, lora, rope
+from model import block_scaled, fp8, lora, mla, moe, rope
 from model import matmul as dense
 from model.config import ModelConfig
 from parallelism import context, rules, sequence
@@ -91,6 +91,8 @@ class Layers(nnx.Module):
     adapters: lora.LoraConfig | None = None,
   ):
     L, D, H, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
+    # Routed layers: the block's MLP is the shared experts (none: no fc1/fc2), model/moe.py.
+    F = cfg.shared_ffn_dim if cfg.moe else F
     G = cfg.kv_heads
     dt = jnp.dtype(cfg.param_dtype)
     std = 0.02
@@ -107,7 +109,9 @@ class Layers(nnx.Module):
     self.ln1_scale = _ones((L, D), (stack, "embed"), dt)
     if norm_bias:
       self.ln1_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
-    if cfg.grouped_query:
+    if cfg.mla:
+      mla.init_params(self, cfg, rngs, stack, std)
+    elif cfg.grouped_query:
       self.q_kernel = _param(rngs.params(), (L, D, H, K), (stack, "embed", "heads", "kv"), std, dt)
       self.kv_kernel = _param(
         rngs.params(), (L, D, 2, G, K), (stack, "embed", "qkv", "kv_heads", "kv"), std, dt
@@ -122,19 +126,22 @@ class Layers(nnx.Module):
       if cfg.use_bias:
         self.qkv_bias = _param(None, (L, 3, H, K), (stack, "qkv", "heads", "kv"), 0, dt)
     self.out_kernel = _param(
-      rngs.params(), (L, H, K, D), (stack, "heads", "kv", "embed"), out_std, dt
+      rngs.params(), (L, H, cfg.value_head_dim, D), (stack, "heads", "kv", "embed"), out_std, dt
     )
     if cfg.use_bias:
       self.out_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
     self.ln2_scale = _ones((L, D), (stack, "embed"), dt)
     if norm_bias:
       self.ln2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
-    self.fc1_kernel = _param(rngs.params(), (L, *fc1_shape), (stack, *fc1_axes), std, dt)
-    if cfg.use_bias:
-      self.fc1_bias = _param(None, (L, *fc1_shape[1:]), (stack, *fc1_axes[1:]), 0, dt)
-    self.fc2_kernel = _param(rngs.params(), (L, F, D), (stack, "mlp", "embed"), out_std, dt)
-    if cfg.use_bias:
-      self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if F:
+      self.fc1_kernel = _param(rngs.params(), (L, *fc1_shape), (stack, *fc1_axes), std, dt)
+      if cfg.use_bias:
+        self.fc1_bias = _param(None, (L, *fc1_shape[1:]), (stack, *fc1_axes[1:]), 0, dt)
+      self.fc2_kernel = _param(rngs.params(), (L, F, D), (stack, "mlp", "embed"), out_std, dt)
+      if cfg.use_bias:
+        self.fc2_bias = _param(None, (L, D), (stack, "embed"), 0, dt)
+    if cfg.moe:
+      moe.init_params(self, cfg, rngs, stack, std, out_std)
     if adapters is not None and adapters.enabled:
       contracted = {name: _CONTRACTED_AXES.get(name, 1) for name in kernels(cfg)}
       lora.add_adapters(self, adapters, contracted, rngs, dt)
@@ -169,8 +176,9 @@ def norm(cfg: ModelConfig, x: jax.Array, p: dict, prefix: str) -> jax.Array:
 def attention(
   q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla", mask: jax.Array | None = None
 ) -> jax.Array:
-  """Causal softmax attention. q: [B, T, H, K], k, v: [B, S, G, K] with G dividing H
-  (query head h uses K/V head h // (H / G)) -> [B, T, H, K]; kind as ModelConfig.attention.
+  """Causal softmax attention. q: [B, T, H, K], k: [B, S, G, K], v: [B, S, G, V] with G
+  dividing H (query head h uses K/V head h // (H / G)) -> [B, T, H, V]; V is K but with
+  latent attention (model/mla.py); kind as ModelConfig.attention.
   mask [T, S] (True: attend; context parallelism's, by true positions), else causal by
   index (S = T)."""
   if kind == "cudnn":
@@ -185,14 +193,14 @@ def attention(
     scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
     scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqt,bthk->bqhk", probs, v)
+    return jnp.einsum("bhqt,bthv->bqhv", probs, v)
   # Grouped: each K/V head meets its H / G query heads in one batched matmul, with no
   # copy of K and V per query head.
   q = q.reshape(B, T, G, H // G, K)
   scores = jnp.einsum("bqgjk,btgk->bgjqt", q, k) / math.sqrt(K)  # [B, G, H/G, T, T]
   scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bgjqt,btgk->bqgjk", probs, v).reshape(B, T, H, K)
+  return jnp.einsum("bgjqt,btgv->bqgjv", probs, v).reshape(B, T, H, v.shape[-1])
 
 
 def residual_axes(cfg: ModelConfig) -> tuple[str, str, str]:
@@ -245,7 +253,9 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
   x = checkpoint_name(constrain(x, residual), "layer_input")
   h = norm(cfg, x, p, "ln1")
-  if cfg.grouped_query:
+  if cfg.mla:
+    q, k, v = mla.qkv(cfg, h, p)  # rotary dims already rotated
+  elif cfg.grouped_query:
     q, k, v = _grouped_qkv(cfg, h, p, tensor_parallel, biased)
   else:
     # [B, T, 3, H, K] is the matmul's natural output order; putting the q/k/v axis first
@@ -256,7 +266,7 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     )
     qkv = checkpoint_name(constrain(biased(qkv, "qkv_bias"), qkv_axes), "qkv")
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-  if cfg.positions == "rope":
+  if cfg.positions == "rope" and not cfg.mla:
     # Each token's true position: with context parallelism the tokens are in
     # load-balanced order (parallelism/context.py).
     positions = context.positions(q.shape[1])
@@ -287,6 +297,12 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   )
   x = checkpoint_name(x, "mid_residual")
   h = norm(cfg, x, p, "ln2")
+  if cfg.moe:
+    # The routed experts' output joins the residual; the shared experts (if any) are the
+    # dense MLP below.
+    x = x + constrain(moe.routed(cfg, h, p)[0], residual)
+    if "fc1_kernel" not in p:
+      return x
   mlp_axes = ("batch", "length", "act_mlp")
   if cfg.mlp == "swiglu":
     gate_up_axes = ("batch", "length", None, "act_mlp")
@@ -368,6 +384,11 @@ def run_layers(
   unroll: the layer scan unrolled (the 1f1b schedule, so that a trip's forward and
   backward chunks are one loop body whose ops XLA can interleave).
   """
+  if "dense_prefix" in layer_params:
+    # A MoE model's first dense layers: their own stack, run first (not pipelined).
+    layer_params = dict(layer_params)
+    x = run_layers(cfg.dense_prefix(), x, layer_params.pop("dense_prefix"), unroll=unroll)
+    cfg = cfg.routed_stack()
   policy = _REMAT[cfg.remat]
   step = jax.checkpoint(
     lambda carry, p: (block(cfg, carry, p), None), policy=policy, prevent_cse=False
@@ -406,7 +427,11 @@ class GPT(nnx.Module):
     self.wte = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02, dt)
     if cfg.positions == "learned":
       self.wpe = _param(rngs.params(), (cfg.seq_len, D), ("position", "embed"), 0.01, dt)
-    self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers", adapters)
+    if cfg.moe and cfg.first_dense_layers:
+      self.dense_layers = Layers(cfg.dense_prefix(), rngs)
+      self.layers = Layers(cfg.routed_stack(), rngs, "stage" if pipelined else "layers")
+    else:
+      self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers", adapters)
     self.lnf_scale = _ones((D,), ("embed",), dt)
     if cfg.use_bias and cfg.norm == "layernorm":
       self.lnf_bias = _param(None, (D,), ("embed",), 0, dt)
@@ -430,8 +455,18 @@ class GPT(nnx.Module):
     adapter dropout drawn from dropout_key). scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
     params = {
-      name: self._cast(v) for name, v in vars(self.layers).items() if isinstance(v, nnx.Param)
+      # The router biases stay in the parameter dtype: their cotangents are token counts
+      # (model/moe.py), which bfloat16 would round.
+      name: v[...] if name == moe.BIAS else self._cast(v)
+      for name, v in vars(self.layers).items()
+      if isinstance(v, nnx.Param)
     }
+    if hasattr(self, "dense_layers"):
+      params["dense_prefix"] = {
+        name: self._cast(v)
+        for name, v in vars(self.dense_layers).items()
+        if isinstance(v, nnx.Param)
+      }
     if self.cfg.fp8:
       names = kernels(self.cfg)
       if scales and set(scales) != set(names):

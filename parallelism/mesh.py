@@ -30,15 +30,20 @@ from jax.sharding import AxisType, Mesh
 from errors import UserInputError
 
 # pipeline is last so that data stays axis 0, which projection/layout.py relies on.
-AXES = ("data", "fsdp", "context", "tensor", "pipeline")
-# Filled from the innermost (fastest network) axis outwards.
-_INNER_FIRST = ("tensor", "context", "fsdp", "data", "pipeline")
+AXES = ("data", "fsdp", "expert", "context", "tensor", "pipeline")
+# Filled from the innermost (fastest network) axis outwards. Expert parallelism's
+# all-to-alls (every routed layer, forward and backward, on the critical path) go next to
+# context, inside fsdp: Megatron-Core's "tp-cp-ep-dp-pp".
+_INNER_FIRST = ("tensor", "context", "expert", "fsdp", "data", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = -1  # -1: every device the other axes leave
   fsdp: int = 1
+  # Expert parallelism: the routed experts split over this many ranks, which are
+  # data-parallel for everything else (the batch splits over data x fsdp x expert).
+  expert: int = 1
   # Context parallelism: each sequence split over this many ranks (parallelism/context.py).
   context: int = 1
   tensor: int = 1
@@ -50,6 +55,8 @@ class MeshConfig:
   nvlink_domain: int = 0
   # Tensor parallelism over InfiniBand is almost always a mistake: refuse it unless asked.
   allow_tensor_beyond_nvlink: bool = False
+  # Likewise expert parallelism, whose all-to-alls run in every routed layer.
+  allow_expert_beyond_nvlink: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +112,8 @@ def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
     sizes[free[0]] = num_devices // fixed
   if math.prod(sizes.values()) != num_devices:
     raise UserInputError(
-      f"mesh: data x fsdp x context x tensor x pipeline = {math.prod(sizes.values())} "
+      f"mesh: data x fsdp x expert x context x tensor x pipeline = "
+      f"{math.prod(sizes.values())} "
       f"must equal the {num_devices} devices"
     )
 
@@ -120,6 +128,15 @@ def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
       f"mesh.tensor {sizes['tensor']} does not fit in the NVLink domain "
       f"of {domain} devices (it must divide it); set "
       f"mesh.allow_tensor_beyond_nvlink=true if that is intended"
+    )
+  # An expert group spans its tensor and context ranks too (they are inner to it).
+  expert_span = sizes["expert"] * sizes["context"] * sizes["tensor"]
+  if sizes["expert"] > 1 and domain % expert_span and not cfg.allow_expert_beyond_nvlink:
+    raise UserInputError(
+      f"mesh.expert {sizes['expert']} (x context {sizes['context']} x tensor "
+      f"{sizes['tensor']} = {expert_span} devices) does not fit in the NVLink domain of "
+      f"{domain} devices (it must divide it); set mesh.allow_expert_beyond_nvlink=true "
+      "if that is intended"
     )
 
   nvlink, remaining = {}, per_node

@@ -32,8 +32,15 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
   ("stage", "pipeline"),  # the same stack when pipelined: contiguous blocks per stage
   # LoRA adapters' rank (model/lora.py): never split; their other axes are their kernel's.
   ("lora_rank", None),
+  ("expert", "expert"),  # routed experts split over expert-parallel ranks (model/moe.py)
+  ("expert_mlp", "tensor"),  # an expert's hidden width, tensor parallel like the MLP's
   # Activations.
-  ("batch", ("data", "fsdp")),
+  # Expert-parallel ranks are data-parallel outside the routed experts.
+  ("batch", ("data", "fsdp", "expert")),
+  # Inside the routed experts: the capacity buffer [B, E, C, D] split over experts, its
+  # sequences over the other data-parallel axes (the all-to-all moves `expert` between them).
+  ("expert_batch", ("data", "fsdp")),
+  ("act_expert", "expert"),
   # The sequence inside tensor-parallel regions: split over `context` only (context
   # parallelism, parallelism/context.py; each rank's tokens in load-balanced order).
   ("length", "context"),

@@ -93,6 +93,8 @@ _FIELD_OF_AXIS = {
   "layers": "model.num_layers",
   "stage": "model.num_layers",
   "position": "model.seq_len",
+  "expert": "model.num_experts",
+  "expert_mlp": "model.moe_ffn_dim",
 }
 
 

@@ -87,6 +87,7 @@ def rack_aligned_domain(
       devices_per_node=gpus_per_node,
       nvlink_domain=nvlink_domain,
       allow_tensor_beyond_nvlink=True,
+      allow_expert_beyond_nvlink=True,
     ),
     gpus,
   ).sizes
@@ -100,11 +101,13 @@ def rack_aligned_domain(
 
 def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
   """The compiled stand-in for `target`; bad batch sizes raise UserInputError."""
-  replicas = target.sizes["data"] * target.sizes["fsdp"]
+  # Expert-parallel ranks are data-parallel outside the experts (parallelism/rules.py).
+  expert = target.sizes.get("expert", 1)
+  replicas = target.sizes["data"] * target.sizes["fsdp"] * expert
   if train_cfg.global_batch % replicas:
     raise UserInputError(
       f"train.global_batch = {train_cfg.global_batch} does not divide over "
-      f"the {replicas} data x fsdp replicas of {target.devices} GPUs"
+      f"the {replicas} data x fsdp x expert replicas of {target.devices} GPUs"
     )
   per_replica = train_cfg.global_batch // replicas
   micro_batches, compiled = 1, 1
@@ -126,7 +129,7 @@ def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
     per_replica = train_cfg.micro_batch * compiled
   sizes = {**target.sizes, "data": min(target.sizes["data"], REDUCED_DATA)}
   return ReducedMesh(
-    target, sizes, per_replica * sizes["data"] * sizes["fsdp"], micro_batches, compiled
+    target, sizes, per_replica * sizes["data"] * sizes["fsdp"] * expert, micro_batches, compiled
   )
 
 

@@ -74,7 +74,8 @@ def projection_table(records: list) -> str:
   )
   rows = []
   for r in records:
-    mesh = " x ".join(str(r["mesh"][a]) for a in mesh_lib.AXES)
+    # Records from before an axis existed lack it: size 1.
+    mesh = " x ".join(str(r["mesh"].get(a, 1)) for a in mesh_lib.AXES)
     memory = f"{r['memory_per_gpu_gb']:.1f} / {r['hbm_capacity_gb']:.0f}"
     if r["fits"]:
       b = r["breakdown"]

@@ -266,5 +266,12 @@ def test_context_parallel_shortcut_and_mesh_placement():
     overrides.apply(exp, ["context_parallel=0"])
   # Context fills the node after tensor, before fsdp and data.
   layout = plan(MeshConfig(data=2, fsdp=2, context=2, tensor=2, devices_per_node=4), 16)
-  assert layout.nvlink == {"data": 1, "fsdp": 1, "context": 2, "tensor": 2, "pipeline": 1}
+  assert layout.nvlink == {
+    "data": 1,
+    "fsdp": 1,
+    "expert": 1,
+    "context": 2,
+    "tensor": 2,
+    "pipeline": 1,
+  }
   assert layout.infiniband["fsdp"] == 2 and layout.infiniband["data"] == 2

@@ -78,7 +78,14 @@ def test_default_experiment_trains_and_appends_a_record(tmp_path):
   ):
     assert key in record, key
   assert record["devices"] == 8 and record["nodes"] == 2
-  assert record["mesh"] == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2, "pipeline": 1}
+  assert record["mesh"] == {
+    "data": 2,
+    "fsdp": 2,
+    "expert": 1,
+    "context": 1,
+    "tensor": 2,
+    "pipeline": 1,
+  }
   assert len(record["losses"]) == 3 + 2  # timed steps plus the untimed warm-up steps
   assert 0 < record["mfu"] < 1
   scalars = _events(record["tensorboard_dir"])
@@ -111,7 +118,14 @@ def test_benchmark_on_fewer_devices_with_overrides(tmp_path):
   assert out.returncode == 0, out.stderr
   (record,) = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
   assert record["mode"] == "benchmark" and "losses" not in record
-  assert record["mesh"] == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1, "pipeline": 1}
+  assert record["mesh"] == {
+    "data": 2,
+    "fsdp": 1,
+    "expert": 1,
+    "context": 1,
+    "tensor": 1,
+    "pipeline": 1,
+  }
 
 
 def test_list_names_every_experiment():

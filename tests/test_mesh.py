@@ -8,10 +8,31 @@ from parallelism.mesh import MeshConfig, build_mesh, plan
 
 def test_axes_fill_the_node_innermost_first():
   layout = plan(MeshConfig(data=-1, fsdp=2, tensor=2), 8)
-  assert layout.sizes == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2, "pipeline": 1}
+  assert layout.sizes == {
+    "data": 2,
+    "fsdp": 2,
+    "expert": 1,
+    "context": 1,
+    "tensor": 2,
+    "pipeline": 1,
+  }
   assert layout.nodes == 2 and layout.devices_per_node == 4
-  assert layout.nvlink == {"data": 1, "fsdp": 2, "context": 1, "tensor": 2, "pipeline": 1}
-  assert layout.infiniband == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1, "pipeline": 1}
+  assert layout.nvlink == {
+    "data": 1,
+    "fsdp": 2,
+    "expert": 1,
+    "context": 1,
+    "tensor": 2,
+    "pipeline": 1,
+  }
+  assert layout.infiniband == {
+    "data": 2,
+    "fsdp": 1,
+    "expert": 1,
+    "context": 1,
+    "tensor": 1,
+    "pipeline": 1,
+  }
 
 
 def test_an_axis_can_span_both_networks():
@@ -26,7 +47,7 @@ def test_mesh_places_data_across_emulated_nodes():
   node = ids // layout.devices_per_node
   # Moving along data changes node; moving along fsdp or tensor stays inside one.
   assert (node[0] == 0).all() and (node[1] == 1).all()
-  assert mesh.axis_names == ("data", "fsdp", "context", "tensor", "pipeline")
+  assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor", "pipeline")
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 

@@ -316,7 +316,14 @@ def test_bad_pipeline_settings_are_refused(mesh_cfg, train, message):
 
 def test_pipeline_axis_crosses_infiniband_first():
   layout = plan(MeshConfig(data=2, tensor=2, pipeline=2), 8)
-  assert layout.nvlink == {"data": 2, "fsdp": 1, "context": 1, "tensor": 2, "pipeline": 1}
+  assert layout.nvlink == {
+    "data": 2,
+    "fsdp": 1,
+    "expert": 1,
+    "context": 1,
+    "tensor": 2,
+    "pipeline": 1,
+  }
   assert layout.infiniband["pipeline"] == 2
 
 

@@ -126,7 +126,7 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile(small):
   assert (
     r64["compiled_mesh"]
     == r128["compiled_mesh"]
-    == {"data": 2, "fsdp": 2, "context": 1, "tensor": 4, "pipeline": 1}
+    == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 4, "pipeline": 1}
   )
   assert (r64["micro_batches"], r128["micro_batches"]) == (8, 4)
   assert r64["compiled_micro_batches"] == r128["compiled_micro_batches"] == 2
@@ -302,7 +302,7 @@ ENTRY %main (a: bf16[8192,8192], b: bf16[8192,8192]) -> bf16[8192,8192] {
 def test_collectives_are_named_by_the_mesh_axes_they_run_along():
   # Compiled mesh data 2 x fsdp 1 x tensor 2 x pipeline 2: partition 4 d + 2 t + p.
   reduced = layout.ReducedMesh(
-    None, {"data": 2, "fsdp": 1, "context": 1, "tensor": 2, "pipeline": 2}, 8, 1, 1
+    None, {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2, "pipeline": 2}, 8, 1, 1
   )
   tensor = ((0, 2), (1, 3), (4, 6), (5, 7))
   assert layout.axes_of(tensor, reduced) == "tensor"
@@ -338,7 +338,7 @@ BAD_INPUT = {
   "model-parallel": (("h100", "72"), "the other axes (64) do not divide the 72 devices"),
   "global batch": (
     ("h100", "640"),
-    "train.global_batch = 1536 does not divide over the 80 data x fsdp replicas of 640 GPUs",
+    "train.global_batch = 1536 does not divide over the 80 data x fsdp x expert replicas of 640 GPUs",
   ),
   "not a number": (("h100", "5l2"), "--gpus takes positive whole numbers, got '5l2'"),
 }

@@ -78,7 +78,7 @@ def test_compiled_step_keeps_the_rule_shardings():
     adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
     assert adam.mu["layers"]["fc1_kernel"].spec == P(None, "fsdp", "tensor")
     assert adam.nu["wte"].spec == P("tensor", "fsdp")
-  assert batch_in["inputs"].spec == P(("data", "fsdp"), None)
+  assert batch_in["inputs"].spec == P(("data", "fsdp", "expert"), None)
 
 
 def test_sharded_optimizer_splits_each_moment_over_data_along_its_largest_dimension():

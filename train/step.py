@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from errors import UserInputError
-from model import fp8, lora
+from model import fp8, lora, moe
 from model.config import ModelConfig
 from model.gpt import GPT, GROUPED_QUERY_KERNELS, KERNELS, kernels, residual_axes, run_layers
 from parallelism import context, gradients, pipeline, sharding
@@ -118,11 +118,17 @@ def build(
     )
 
   model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
+  moe.check_mesh(model_cfg, dict(mesh.shape))
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
   if adapters.enabled and pipelined:
     raise UserInputError(
       f"lora.rank = {adapters.rank} with mesh.pipeline = {stages}: LoRA runs without "
       "pipeline parallelism here (the published LoRA runs use none); set mesh.pipeline=1"
+    )
+  if adapters.enabled and model_cfg.moe:
+    raise UserInputError(
+      f"lora.rank = {adapters.rank} with model.num_experts = {model_cfg.num_experts}: LoRA "
+      "fine-tunes dense models here; set lora.rank=0 or choose a dense model"
     )
 
   def init() -> TrainState:
@@ -209,13 +215,18 @@ def build(
       params = nnx.merge_state(optax.apply_updates(trainable, updates), frozen)
     else:
       loss, (grads, amaxes) = loss_and_grads(state.params, scales, batch)
+      # Routed layers: the router biases' "gradients" are the experts' loads (model/moe.py).
+      grads, load = moe.take_loads(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
+      params = moe.balance(params, load, model_cfg.router_bias_rate)
     metrics = {
       "loss": loss,
       "grad_norm": optax.tree.norm(grads),
       "learning_rate": schedule(state.step),
     }
+    if load is not None:
+      metrics["expert_load_max_over_mean"] = moe.load_imbalance(load)
     history = {
       name: state.fp8_history[name].replace(fp8.record(h, amaxes[name]))
       for name, h in history.items()

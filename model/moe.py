@@ -1,0 +1,255 @@
+"""Mixture-of-experts feed-forward layers for the one decoder (model/gpt.py).
+
+A MoE layer replaces the block's MLP by E routed SwiGLU experts of width Fe, each token sent
+to k of them, plus `num_shared_experts` shared experts that every token passes through (the
+block's own fc1/fc2 kernels at width num_shared_experts x Fe, so the dense MLP code runs them,
+tensor parallel as ever). Routing, as configured (model/config.py):
+
+- scores: softmax over the experts (Mixtral, Qwen3-MoE) or a sigmoid per expert (DeepSeek-V3,
+  arXiv:2412.19437 section 2.1.2); the k gates are the selected scores, renormalised to sum
+  to 1 when router_topk_norm, times router_scale (DeepSeek-V3's routed_scaling_factor 2.5).
+- aux-loss-free balancing (DeepSeek-V3 section 2.1.2): a per-expert bias added to the
+  scores for the selection only, never to the gates. It is a parameter of the layer stack
+  (`router_bias`) whose "gradient" is, by construction (`_attach`'s custom VJP), the
+  number of tokens each expert was given; the train step takes it out before the optimizer
+  and moves the bias by router_bias_rate x sign(mean load - load) (`balance`), outside the
+  gradient. Summed over micro-batches and data-parallel replicas like any gradient, the
+  load is the whole step's.
+- group-limited routing (DeepSeek-V3's node-limited routing, its n_group / topk_group): the
+  experts split into router_groups groups, each scored by the sum of its two best biased
+  scores; a token picks among the experts of its router_topk_groups best groups only.
+- the sequence-wise balance loss (DeepSeek-V3 eq. 17-20): per sequence,
+  sum_i f_i P_i with f_i = E / (k T) x tokens choosing expert i and P_i the mean over the
+  sequence of expert i's normalised score; times aux_loss_coef, averaged over sequences.
+  Its gradient is attached to the layer's output (as Megatron-Core's MoEAuxLossAutoScaler
+  does), so the reported loss is the language-model loss alone.
+
+Dispatch: capacity buffers. Each sequence is a group of T tokens; expert e takes at most
+C = ceil(capacity_factor x k T / E) of them (capacity_factor 0: C = T, the most one expert can
+get from a sequence, so no token is ever dropped). Slots go first choices first, then by
+position; an assignment past C is dropped (that token's gate for it contributes nothing). The
+tokens are gathered into a [B, E, C, D] buffer by index (no one-hot matmul: that would cost
+2 B T E C D FLOPs, more than the experts at DeepSeek-V3's E = 256), resharded from batch-split
+to expert-split (`expert` mesh axis), which the partitioner emits as an all-to-all, run
+through the experts as two batched matmuls, resharded back (the second all-to-all) and
+combined by index with the gates.
+
+Grouped GEMMs as capacity-buffer einsums, not jax.lax.ragged_dot. jax 0.10.2 compiles
+ragged_dot for a CUDA target (deviceless, projection/aot_compile.py) as a dense dot over
+every group, the input masked per group: DeepSeek-V3's up-projection on one GPU of EP 32
+([4,096, 7,168] x [32, 7,168, 2,048]) compiles to 32.0x the grouped GEMM's FLOPs, forward and
+backward (`python benchmarks/ragged_dot_check.py`). The buffer's static [E, C] shape also lets
+the GSPMD partitioner split the experts over `expert` with sharding constraints alone, and
+its matmuls have the shapes a balanced routing gives, which is what the projection costs
+(routing taken as balanced). The price is padding: C slots per expert whether filled or not
+(capacity_factor x the assigned tokens; dropless, E / k times).
+
+Shapes: B sequences, T tokens, D d_model, E experts, k experts a token, C capacity, F expert
+width, G router groups.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from errors import UserInputError
+from model.config import ModelConfig
+from parallelism.rules import constrain
+
+# The parameters a MoE layer adds to the stack (besides the shared experts' fc1/fc2).
+PARAMS = ("router_kernel", "router_bias", "expert_fc1", "expert_fc2")
+BIAS = "router_bias"
+
+
+def init_params(
+  layers: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, stack: str, std: float, out_std: float
+) -> None:
+  """Adds the routed experts' parameters, stacked over `stack`, to the layer stack module."""
+  L, D, E, F = cfg.num_layers, cfg.d_model, cfg.num_experts, cfg.expert_ffn_dim
+  dt = jnp.dtype(cfg.param_dtype)
+  normal = lambda shape: jax.random.normal(rngs.params(), shape, dt)
+  # The router is small (D x E) and every token needs every score: replicated over `expert`.
+  layers.router_kernel = nnx.Param(std * normal((L, D, E)), axes=(stack, "embed", None))
+  # A vector per layer: no weight decay (train/optimizer.py decays matrices only).
+  layers.router_bias = nnx.Param(jnp.zeros((L, E), dt), axes=(stack, None))
+  layers.expert_fc1 = nnx.Param(
+    std * normal((L, E, D, 2, F)), axes=(stack, "expert", "embed", "gate_up", "expert_mlp")
+  )
+  layers.expert_fc2 = nnx.Param(
+    out_std * normal((L, E, F, D)), axes=(stack, "expert", "expert_mlp", "embed")
+  )
+
+
+def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int]) -> None:
+  """What model/moe.py runs on a mesh: experts dividing over `expert`; not yet pipelined or
+  context parallel (the balance loss's gradient is attached once per micro-batch's forward,
+  which the pipeline schedules would not scale as they scale the loss)."""
+  ways = mesh_shape.get("expert", 1)
+  if not cfg.moe:
+    if ways > 1:
+      raise UserInputError(
+        f"mesh.expert = {ways} needs a mixture of experts (model.num_experts > 0)"
+      )
+    return
+  if cfg.num_experts % ways:
+    raise UserInputError(
+      f"model.num_experts = {cfg.num_experts} does not divide over mesh.expert = {ways}"
+    )
+  for axis in ("pipeline", "context"):
+    if mesh_shape.get(axis, 1) > 1:
+      raise UserInputError(
+        f"mesh.{axis} = {mesh_shape[axis]}: mixtures of experts (model.num_experts > 0) "
+        f"do not run {axis}-parallel yet; use mesh.{axis}=1"
+      )
+
+
+def capacity(cfg: ModelConfig, tokens: int) -> int:
+  """Slots per expert for a group of `tokens` tokens (see the module docstring)."""
+  if cfg.capacity_factor <= 0:
+    return tokens
+  slots = math.ceil(cfg.capacity_factor * tokens * cfg.experts_per_token / cfg.num_experts)
+  return min(tokens, slots)
+
+
+def route(
+  cfg: ModelConfig, logits: jax.Array, bias: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """logits [B, T, E] float32, bias [E] -> (experts [B, T, k] int32, gates [B, T, k] float32,
+  scores [B, T, E] float32). The bias picks, the unbiased scores weigh."""
+  E, k = cfg.num_experts, cfg.experts_per_token
+  scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jax.nn.softmax(logits)
+  biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  if cfg.router_groups > 1:
+    B, T, G = *biased.shape[:2], cfg.router_groups
+    grouped = biased.reshape(B, T, G, E // G)
+    best = jax.lax.top_k(grouped, min(2, E // G))[0].sum(-1)  # [B, T, G]
+    _, groups = jax.lax.top_k(best, cfg.router_topk_groups)  # [B, T, topk_groups]
+    allowed = jax.nn.one_hot(groups, G, dtype=jnp.bool_).any(-2)  # [B, T, G]
+    allowed = jnp.repeat(allowed, E // G, axis=-1)  # [B, T, E]
+    biased = jnp.where(allowed, biased, -jnp.inf)
+  _, experts = jax.lax.top_k(jax.lax.stop_gradient(biased), k)
+  gates = jnp.take_along_axis(scores, experts, axis=-1)
+  if cfg.router_topk_norm:
+    gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
+  return experts, gates * cfg.router_scale, scores
+
+
+def slots(experts: jax.Array, num_experts: int, capacity_slots: int) -> tuple[jax.Array, jax.Array]:
+  """experts [B, T, k] -> (slot [B, T, k] int32: e x C + position in e's queue, or E x C when
+  dropped; counts [B, E]: assignments per expert before dropping). First choices queue
+  first, then by position in the sequence."""
+  B, T, k = experts.shape
+  E, C = num_experts, capacity_slots
+  chosen = jax.nn.one_hot(experts, E, dtype=jnp.int32)  # [B, T, k, E]
+  queue = chosen.transpose(0, 2, 1, 3).reshape(B, k * T, E)  # choice-major
+  position = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)  # [B, k T]
+  position = position.reshape(B, k, T).transpose(0, 2, 1)  # [B, T, k]
+  slot = jnp.where(position < C, experts * C + position, E * C)
+  return slot, chosen.sum((1, 2))
+
+
+def dispatch(x: jax.Array, slot: jax.Array, num_slots: int) -> jax.Array:
+  """x [B, T, D] -> the buffer [B, S, D] (S = E x C) by index; empty slots are zeros."""
+  B, T, k = slot.shape
+  rows = jnp.arange(B)[:, None, None]
+  tokens = jnp.broadcast_to(jnp.arange(T)[None, :, None], slot.shape)
+  # Which token fills each slot (T: none, a zero row); the drop slot S is cut off.
+  token_of_slot = jnp.full((B, num_slots + 1), T, jnp.int32).at[rows, slot].set(tokens)
+  padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)  # [B, T + 1, D]
+  return jnp.take_along_axis(padded, token_of_slot[:, :num_slots, None], axis=1)
+
+
+def combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
+  """y [B, S, D] the experts' outputs, slot and gates [B, T, k] -> [B, T, D]."""
+  B, T, k = slot.shape
+  padded = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # [B, S + 1, D]
+  picked = jnp.take_along_axis(padded, slot.reshape(B, T * k, 1), axis=1)  # [B, T k, D]
+  # Elementwise, not an einsum: k is small, and a dot here would be matmul work the FLOPs
+  # formula (model/flops.py) does not count.
+  return (picked.reshape(B, T, k, -1) * gates.astype(y.dtype)[..., None]).sum(2)
+
+
+def balance_loss(cfg: ModelConfig, scores: jax.Array, counts: jax.Array) -> jax.Array:
+  """The sequence-wise balance loss, averaged over sequences (unscaled). scores [B, T, E],
+  counts [B, E]."""
+  E, k = cfg.num_experts, cfg.experts_per_token
+  T = scores.shape[1]
+  normalised = scores / scores.sum(-1, keepdims=True)
+  f = jax.lax.stop_gradient(counts.astype(jnp.float32)) * E / (k * T)  # [B, E]
+  p = normalised.mean(1)  # [B, E]
+  return (f * p).sum(-1).mean()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attach(coef: float, y: jax.Array, aux: jax.Array, bias: jax.Array, load: jax.Array):
+  """y unchanged; backward: aux's gradient is coef, bias's is load (see the module docstring)."""
+  return y
+
+
+def _attach_fwd(coef, y, aux, bias, load):
+  return y, (aux, bias, load)
+
+
+def _attach_bwd(coef, residuals, g):
+  aux, bias, load = residuals
+  return g, jnp.full_like(aux, coef), load.astype(bias.dtype), jnp.zeros_like(load)
+
+
+_attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Array]:
+  """The routed experts on the normed residual h [B, T, D] with one layer's parameters p ->
+  (output [B, T, D], dropped assignments [] int32)."""
+  B, T, D = h.shape
+  E, C = cfg.num_experts, capacity(cfg, h.shape[1])
+  h = constrain(h, ("batch", "length", None))
+  logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), p["router_kernel"].astype(jnp.float32))
+  experts, gates, scores = route(cfg, logits, p[BIAS])
+  slot, counts = slots(experts, E, C)
+  dropped = (slot == E * C).sum()
+  buffer = dispatch(h, slot, E * C).reshape(B, E, C, D)
+  # Batch-split -> expert-split: the dispatch all-to-all.
+  expert_axes = ("expert_batch", "act_expert", None, None)
+  buffer = constrain(buffer, expert_axes)
+  up = jnp.einsum("becd,edgf->becgf", buffer, p["expert_fc1"])
+  up = constrain(up, ("expert_batch", "act_expert", None, None, "act_mlp"))
+  act = jax.nn.silu(up[..., 0, :]) * up[..., 1, :]  # [B, E, C, F]
+  out = constrain(jnp.einsum("becf,efd->becd", act, p["expert_fc2"]), expert_axes)
+  # Expert-split -> batch-split: the combine all-to-all.
+  out = constrain(out, ("batch", None, None, None)).reshape(B, E * C, D)
+  y = combine(out, slot, gates)
+  if cfg.aux_loss_coef > 0 or cfg.router_bias_rate > 0:
+    aux = balance_loss(cfg, scores, counts) if cfg.aux_loss_coef > 0 else jnp.zeros(())
+    y = _attach(cfg.aux_loss_coef, y, aux, p[BIAS], counts.sum(0).astype(jnp.float32))
+  return y, dropped
+
+
+def take_loads(grads: nnx.State) -> tuple[nnx.State, jax.Array | None]:
+  """The step's gradients with the router biases' entries zeroed, and those entries: the
+  tokens each expert was given, [L, E] (None without routed layers)."""
+  layers = grads.get("layers") if hasattr(grads, "get") else None
+  if layers is None or BIAS not in layers:
+    return grads, None
+  load = layers[BIAS][...]
+  layers[BIAS] = layers[BIAS].replace(jnp.zeros_like(load))
+  return grads, load.astype(jnp.float32)
+
+
+def balance(params: nnx.State, load: jax.Array | None, rate: float) -> nnx.State:
+  """The router biases moved by rate towards uniform load: + rate where an expert got fewer
+  tokens than the mean, - rate where more (DeepSeek-V3 section 2.1.2)."""
+  if load is None or rate <= 0:
+    return params
+  bias = params["layers"][BIAS]
+  step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+  params["layers"][BIAS] = bias.replace((bias[...] + step).astype(bias[...].dtype))
+  return params
+
+
+def load_imbalance(load: jax.Array) -> jax.Array:
+  """Mean over layers of the busiest expert's load over the mean load (1: balanced)."""
+  return (load.max(-1) / jnp.maximum(load.mean(-1), 1e-20)).mean()

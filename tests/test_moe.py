@@ -1,0 +1,371 @@
+"""Mixtures of experts (model/moe.py): sharded over `expert` (alone, with data and with
+tensor) the step equals one device's, routing and dropped tokens included; bias balancing
+evens the load; the named sizes' parameter counts; bad input."""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import experiments
+from errors import UserInputError
+from experiments import overrides
+from model import flops, moe
+from model.config import ModelConfig, preset
+from model.gpt import GPT
+from parallelism.mesh import MeshConfig, build_mesh, plan
+from projection import hlo, project, targets
+from train import data
+from train import step as train_step
+from train.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# moe-tiny (3 layers, the first dense; 8 experts, top-2 of 4 groups' best 2, a shared one,
+# sigmoid scores, bias balancing, balance loss) with a capacity factor that drops tokens.
+MODEL = dataclasses.replace(preset("moe-tiny"), capacity_factor=1.0, router_bias_rate=1e-2)
+TRAIN = TrainConfig(
+  global_batch=8, steps=2, warmup_steps=0, task="learnable", learning_rate=1e-2, lr_warmup_steps=1
+)
+# float32 throughout; sharded reductions sum in another order than one device (a relative
+# 1e-7 a sum of at most a few hundred terms), and two Adam steps carry that into the
+# parameters (updates normalised per entry by the gradient's size): rtol for the entries,
+# atol for those a warm-up-sized update leaves near zero (as tests/test_llama.py). Routing
+# is discrete: a flipped choice would move a loss by far more than these.
+RTOL, ATOL = 2e-4, 2e-5
+
+
+def _program(model: ModelConfig, mesh_cfg: MeshConfig, devices: int):
+  mesh_cfg = dataclasses.replace(mesh_cfg, devices_per_node=devices)  # one node
+  return train_step.build(
+    model, TRAIN, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
+  )
+
+
+def _train(program, model: ModelConfig, steps: int = 2):
+  """Losses, load imbalances and final parameters, compiled under the mesh."""
+  compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
+  state, losses, imbalance = program.init(), [], []
+  for i in range(steps):
+    batch = data.batch(
+      TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len, model.vocab_size
+    )
+    state, metrics = compiled(state, jax.device_put(batch, program.batch_sharding))
+    losses.append(float(metrics["loss"]))
+    imbalance.append(float(metrics["expert_load_max_over_mean"]))
+  return losses, imbalance, jax.tree.map(np.asarray, state.params)
+
+
+_ONE_DEVICE = {}
+
+
+def _one_device(model: ModelConfig):
+  if model not in _ONE_DEVICE:
+    _ONE_DEVICE[model] = _train(_program(model, MeshConfig(data=1), 1), model)
+  return _ONE_DEVICE[model]
+
+
+# Grouped-query attention in place of MLA, for sequence parallelism (MLA refuses it).
+GQA_MODEL = dataclasses.replace(MODEL, kv_lora_rank=0)
+
+
+@pytest.mark.parametrize(
+  "mesh_cfg, model, sequence_parallel",
+  [
+    (MeshConfig(data=1, expert=4), MODEL, False),
+    (MeshConfig(data=2, expert=2, tensor=2), MODEL, False),
+    (MeshConfig(data=2, expert=2, tensor=2), GQA_MODEL, True),
+  ],
+  ids=["expert4", "data2-expert2-tensor2", "data2-expert2-tensor2-sequence-parallel"],
+)
+def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel):
+  devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.tensor
+  program = _program(
+    dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg, devices
+  )
+  layers = program.abstract_state.params["layers"]
+  assert layers["expert_fc1"].sharding.spec[1] == "expert"
+  assert layers["expert_fc2"].sharding.spec[1] == "expert"
+  if mesh_cfg.tensor > 1:
+    assert layers["expert_fc1"].sharding.spec[4] == "tensor"
+  # The dispatch and combine are all-to-alls over `expert`, in the forward and backward.
+  text = program.lower(TRAIN.global_batch, model.seq_len).compile().as_text()
+  assert text.count("all-to-all(") >= 2, "no all-to-all in the compiled step"
+  losses, imbalance, params = _train(program, model)
+  losses_1, imbalance_1, params_1 = _one_device(model)
+  np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
+  # Loads are token counts: the same routing gives the same counts exactly (float32 sums of
+  # whole numbers below 2^24).
+  assert imbalance == imbalance_1
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_accumulated_micro_batches_match_the_whole_batch():
+  """Two micro-batches of 4 accumulated: the balance loss's gradient and the experts' loads
+  are averaged like the language-model loss's gradient, so the step is the whole batch's."""
+  train = dataclasses.replace(TRAIN, micro_batch=4)
+  mesh = build_mesh(plan(MeshConfig(data=1, devices_per_node=1), 1), jax.devices()[:1])
+  losses, imbalance, params = _train(train_step.build(MODEL, train, mesh), MODEL)
+  losses_1, imbalance_1, params_1 = _one_device(MODEL)
+  np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
+  np.testing.assert_allclose(imbalance, imbalance_1, rtol=1e-6)  # ratios of float32 means
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_moe_trains():
+  """moe-tiny on the learnable task, one device: the loss falls over 20 steps."""
+  losses = _train(_program(MODEL, MeshConfig(data=1), 1), MODEL, steps=20)[0]
+  assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
+
+
+def _routed(model: ModelConfig, mesh=None):
+  """One routed layer on a fixed input: (output, experts chosen, dropped assignments)."""
+  cfg = model.routed_stack()
+  params = nnx.state(GPT(model, nnx.Rngs(3)), nnx.Param)["layers"]
+  p = {name: v[...][0] for name, v in params.items()}
+  p["router_bias"] = jnp.linspace(-0.02, 0.02, cfg.num_experts)  # a bias that matters
+  h = jax.random.normal(jax.random.key(1), (8, model.seq_len, model.d_model))
+
+  def layer(h, p):
+    logits = jnp.einsum("btd,de->bte", h, p["router_kernel"])
+    experts = moe.route(cfg, logits, p["router_bias"])[0]
+    y, dropped = moe.routed(cfg, h, p)
+    return y, experts, dropped
+
+  if mesh is None:
+    return jax.jit(layer)(h, p)
+  with jax.set_mesh(mesh):
+    return jax.jit(layer)(h, p)
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, 0.0], ids=["capacity-1", "dropless"])
+def test_routing_and_dropped_tokens_do_not_depend_on_the_mesh(capacity_factor):
+  model = dataclasses.replace(MODEL, capacity_factor=capacity_factor)
+  y_1, experts_1, dropped_1 = _routed(model)
+  mesh_cfg = MeshConfig(data=2, expert=2, tensor=2, devices_per_node=8)
+  y, experts, dropped = _routed(model, build_mesh(plan(mesh_cfg, 8), jax.devices()[:8]))
+  np.testing.assert_array_equal(experts, experts_1)
+  assert int(dropped) == int(dropped_1)
+  if capacity_factor:
+    assert int(dropped_1) > 0  # the capacity binds: the test sees dropping
+  else:
+    assert int(dropped_1) == 0
+  np.testing.assert_allclose(y, y_1, rtol=1e-5, atol=1e-6)  # float32, sums reordered
+
+
+def test_dropped_assignments_contribute_nothing():
+  """With capacity 1 slot an expert, only each expert's first assignment survives."""
+  experts = jnp.array([[[0, 1], [0, 2], [1, 0]]])  # [B=1, T=3, k=2]
+  slot, counts = moe.slots(experts, 4, 1)
+  # First choices queue first: token 0 takes expert 0's slot, token 2 expert 1's (before
+  # token 0's second choice); every second choice finds its expert full but token 1's.
+  np.testing.assert_array_equal(slot, [[[0, 4], [4, 2], [1, 4]]])
+  np.testing.assert_array_equal(counts, [[3, 2, 1, 0]])
+  x = jnp.arange(3.0)[None, :, None] + 1  # token t's vector is t + 1
+  buffer = moe.dispatch(x, slot, 4)
+  np.testing.assert_array_equal(buffer[0, :, 0], [1, 3, 2, 0])
+  y = moe.combine(buffer, slot, jnp.ones((1, 3, 2)))
+  np.testing.assert_array_equal(y[0, :, 0], [1, 2, 3])
+
+
+def test_bias_balancing_evens_a_skewed_load():
+  """Skewed router logits (expert e favoured by 0.3 e): the bias steps alone, rate 0.01,
+  bring the busiest expert's load from over twice the mean to within 20% of it (the sign
+  steps then oscillate about balance, about 1.15 here)."""
+  cfg = dataclasses.replace(MODEL, router_groups=1, router_topk_groups=1).routed_stack()
+  E = cfg.num_experts
+  logits = jax.random.normal(jax.random.key(0), (16, 64, E)) + 0.3 * jnp.arange(E)
+
+  @jax.jit
+  def step(bias):  # bias [1, E]: one layer's
+    experts = moe.route(cfg, logits, bias[0])[0]
+    load = moe.slots(experts, E, 64)[1].sum(0)[None].astype(jnp.float32)
+    params = nnx.State({"layers": {"router_bias": nnx.Param(bias)}})
+    new = moe.balance(params, load, 0.01)["layers"]["router_bias"][...]
+    return new, moe.load_imbalance(load)
+
+  bias, imbalance = jnp.zeros((1, E)), []
+  for _ in range(30):
+    bias, value = step(bias)
+    imbalance.append(float(value))
+  assert imbalance[0] > 2.0, imbalance
+  assert max(imbalance[-5:]) < 1.2, imbalance
+
+
+def test_bias_balancing_in_the_train_step():
+  """The one-device train step from a skewed start (biases favouring the first experts by
+  up to 0.3): the router biases move by whole steps of the rate (the optimizer never sees
+  them) and the step's load imbalance falls."""
+  program = _program(MODEL, MeshConfig(data=1), 1)
+  state = program.init()
+  bias = state.params["layers"]["router_bias"]
+  skewed = np.broadcast_to(np.linspace(0.3, -0.3, MODEL.num_experts), bias[...].shape)
+  # A copy of its own: the step donates the state.
+  state.params["layers"]["router_bias"] = bias.replace(jnp.array(skewed, jnp.float32))
+  step, imbalance = program.lower(TRAIN.global_batch, MODEL.seq_len).compile(), []
+  for i in range(40):
+    batch = data.batch("synthetic", 0, i, TRAIN.global_batch, MODEL.seq_len, MODEL.vocab_size)
+    state, metrics = step(state, jax.device_put(batch, program.batch_sharding))
+    imbalance.append(float(metrics["expert_load_max_over_mean"]))
+  assert np.mean(imbalance[-5:]) < 0.75 * np.mean(imbalance[:5]), imbalance
+  rate = MODEL.router_bias_rate
+  moved = (np.asarray(state.params["layers"]["router_bias"][...]) - skewed) / rate
+  np.testing.assert_allclose(moved, np.round(moved), atol=1e-3)  # float32 sums of 40 steps
+  assert np.abs(moved).max() >= 5
+
+
+def test_balance_loss_pushes_scores_from_the_busiest_expert():
+  """The sequence balance loss's gradient, attached to the layer output, lowers the
+  router's score for the experts most chosen."""
+  cfg = MODEL.routed_stack()
+  logits = jax.random.normal(jax.random.key(2), (2, 16, cfg.num_experts)) + jnp.arange(8) * 0.2
+
+  def loss(logits):
+    experts, _, scores = moe.route(cfg, logits, jnp.zeros(cfg.num_experts))
+    counts = moe.slots(experts, cfg.num_experts, 16)[1]
+    return moe.balance_loss(cfg, scores, counts)
+
+  grad = jax.grad(loss)(logits).sum((0, 1))
+  assert grad[-1] > 0 > grad[0]  # the most chosen expert's logit is pushed down
+
+
+def test_matmul_flops_formula_counts_the_compiled_moe_step():
+  """One CPU device, full remat: latent attention, the dense first layer, the router, the
+  shared expert and the routed experts over their capacity buffers' E x C slots, forward,
+  backward and recomputed, equal the compiled dots' FLOPs exactly. (Also checked when this
+  was written: remat none, and dropless.)"""
+  model = dataclasses.replace(MODEL, remat="full")
+  mesh = build_mesh(plan(MeshConfig(data=1), 1), jax.devices()[:1])
+  step = train_step.build(model, TrainConfig(global_batch=2), mesh)
+  program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
+  assert hlo.dot_flops(program) == flops.matmul_flops_per_step(model, 2)
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="no deviceless CUDA target")
+def test_expert_all_to_all_is_costed_on_nvlink_or_infiniband():
+  """moe-tiny with 16 experts over EP 16, projected (deviceless CUDA compile): on 16 H100
+  (two 8-GPU nodes) the expert group crosses InfiniBand, on 16 GB200 it sits in one NVL72
+  rack. The only exposed communication is on `expert`, and it costs more over the NICs."""
+  exp = overrides.apply(
+    experiments.load("moe"),
+    [
+      "model.num_experts=16",
+      "model.compute_dtype=bfloat16",
+      "mesh.expert=16",
+      "mesh.tensor=1",
+      "mesh.data=-1",
+      "mesh.allow_expert_beyond_nvlink=true",
+      "train.global_batch=32",
+      "train.micro_batch=1",
+    ],
+  )
+  h100, gb200 = (project.project(exp, hw, 16) for hw in ("h100", "gb200"))
+  by_axis = [r["breakdown"]["exposed_comm_by_axis_s"] for r in (h100, gb200)]
+  assert all(set(axes) == {"expert"} for axes in by_axis), by_axis
+  assert by_axis[0]["expert"] > 2 * by_axis[1]["expert"], by_axis
+
+
+def _param_count(name: str) -> int:
+  abstract = nnx.eval_shape(lambda: GPT(preset(name), nnx.Rngs(0)))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize(
+  "name, total, active",
+  [
+    # Mistral's announcement (https://mistral.ai/news/mixtral-of-experts): 46.7B, 12.9B active.
+    ("mixtral-8x7b", 46.7e9, 12.9e9),
+    # Qwen3's model card (https://huggingface.co/Qwen/Qwen3-30B-A3B): 30.5B, 3.3B activated.
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+    # The DeepSeek-V3 report (arXiv:2412.19437): 671B, 37B activated for each token.
+    ("deepseek-v3-671b", 671e9, 37e9),
+  ],
+)
+def test_parameter_counts_from_abstract_shapes(name, total, active):
+  count = _param_count(name)
+  assert count == flops.param_count(preset(name))
+  assert abs(count / total - 1) < 0.005, count  # published to 3 figures
+  # Active: the matmul weights a token uses plus its embedding row.
+  cfg = preset(name)
+  used = flops.matmul_param_count(cfg) + cfg.padded_vocab * cfg.d_model
+  assert abs(used / active - 1) < 0.02, used  # published to 2 figures
+
+
+def test_moe_experiment_selects_sizes():
+  exp = overrides.apply(experiments.load("moe"), ["model=deepseek-v3-671b"])
+  assert exp.model.num_experts == 256 and exp.model.first_dense_layers == 3
+  assert exp.mesh.expert == 2
+
+
+@pytest.mark.parametrize(
+  "assignments, message",
+  [
+    # Fine: 8 experts over 8 ranks, one node of 8.
+    (["mesh.expert=8", "mesh.data=1", "mesh.tensor=1", "mesh.devices_per_node=8"], None),
+    (
+      [
+        "model.num_experts=6",
+        "model.router_groups=1",
+        "model.router_topk_groups=1",
+        "mesh.expert=4",
+        "mesh.tensor=1",
+      ],
+      "model.num_experts = 6 does not divide over mesh.expert",
+    ),
+    (["model.experts_per_token=9"], "model.experts_per_token = 9"),
+    (["model.router_groups=3"], "model.router_groups = 3"),
+    (["model.router_topk_groups=1", "model.experts_per_token=3"], "model.router_topk_groups = 1"),
+    (["mesh.expert=4", "mesh.tensor=2", "mesh.data=1"], "mesh.expert 4"),
+  ],
+  ids=[
+    "fits",
+    "experts-over-expert",
+    "top-k-above-experts",
+    "groups",
+    "top-groups",
+    "beyond-nvlink",
+  ],
+)
+def test_bad_moe_input_is_refused(assignments, message):
+  exp = overrides.apply(experiments.load("moe"), assignments)
+  try:
+    exp.model.validate()
+    layout = plan(exp.mesh, 8)
+    moe.check_mesh(exp.model, layout.sizes)
+  except UserInputError as e:
+    assert message is not None and message in str(e) and "\n" not in str(e), str(e)
+    return
+  assert message is None, "accepted"
+
+
+def test_bad_moe_input_at_the_command_line_is_one_line_and_exit_2():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  run = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "launch.py"),
+      "--experiment=moe",
+      "--set",
+      "mesh.expert=4",
+      "--set",
+      "mesh.tensor=2",
+      "--set",
+      "mesh.data=1",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
+  assert run.returncode == 2, run.stderr
+  lines = run.stderr.strip().splitlines()
+  assert len(lines) == 1 and "mesh.expert" in lines[0], run.stderr
