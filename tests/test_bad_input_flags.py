@@ -22,10 +22,12 @@ import experiments
 from errors import UserInputError
 from experiments import overrides
 from hardware import catalog
+from model import gpt, moe
 from modes import options as options_lib
 from parallelism import mesh as mesh_lib
 from projection import compose, kernel_cache
 from sweep import definitions
+from train import step as train_step
 
 LLAMA = experiments.load("llama3")
 _NEW_KEYS = [
@@ -77,6 +79,57 @@ def test_pairs_of_new_fields_work_or_are_refused_naming_a_field(first, second):
   except UserInputError as e:
     names = [k.split(".")[-1] for k, _ in (first, second)]
     _one_line_naming(e, *names, "mesh", "model", "train", "--set", "precision")
+
+
+MOE = experiments.load("moe")
+_MOE_LORA_KEYS = [
+  "lora.rank",
+  "lora.alpha",
+  "lora.dropout",
+  "lora.targets",
+  "lora.base_dtype",
+  "model.num_experts",
+  "model.experts_per_token",
+  "model.moe_ffn_dim",
+  "model.num_shared_experts",
+  "model.first_dense_layers",
+  "model.router_score",
+  "model.router_groups",
+  "model.router_topk_groups",
+  "model.router_bias_rate",
+  "model.aux_loss_coef",
+  "model.capacity_factor",
+  "model.moe_dispatch",
+  "model.kv_lora_rank",
+  "model.q_lora_rank",
+  "model.rope_head_dim",
+  "mesh.expert",
+  "mesh.allow_expert_beyond_nvlink",
+]
+_MOE_VALUES = st.one_of(
+  _VALUES,
+  st.sampled_from(["sigmoid", "softmax", "capacity", "qkv_kernel,out_kernel", "fc1_kernel", "x"]),
+)
+
+
+@FUZZ
+@given(
+  base=st.sampled_from([MOE, LLAMA]),
+  first=st.tuples(st.sampled_from(_MOE_LORA_KEYS), _MOE_VALUES),
+  second=st.tuples(st.sampled_from(_MOE_LORA_KEYS), _MOE_VALUES),
+)
+def test_moe_and_lora_fields_work_or_are_refused_naming_a_field(base, first, second):
+  assignments = [f"{k}={v}" for k, v in (first, second)]
+  try:
+    exp = overrides.apply(base, assignments)
+    exp.model.validate()
+    exp.train.validate()
+    layout = mesh_lib.plan(exp.mesh, 8)
+    exp.lora.validate(gpt.kernels(exp.model), train_step._KNOWN_KERNELS, exp.model.fp8)  # pylint: disable=protected-access
+    moe.check_mesh(exp.model, layout.sizes)
+  except UserInputError as e:
+    names = [k.split(".")[-1] for k, _ in (first, second)]
+    _one_line_naming(e, *names, "mesh", "model", "lora", "--set", "expert")
 
 
 _NAMES = st.one_of(
