@@ -9,13 +9,15 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from small_models import SMALL_LLAMA
 
 import experiments
 from errors import UserInputError
 from experiments import overrides
 from model.config import ModelConfig
-from parallelism import context, pipeline
+from model.gpt import GPT as Decoder
+from parallelism import context, gradients, pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from projection import hlo_text, targets
 from train import data
@@ -47,6 +49,13 @@ TRAIN = TrainConfig(
 # gradient's size): rtol for the entries, atol for those a warm-up-sized update leaves
 # near zero (as tests/test_llama.py and test_pipeline.py).
 RTOL, ATOL = 2e-4, 2e-5
+# The step's loss and gradients themselves (no Adam, whose first step turns a gradient
+# entry of rounding size, as the GPT's K bias has, into a whole +-lr update): float32 sums
+# in another order, measured against one device with data 2 alone (no context) as with
+# context 2: the loss within 3e-7 relative, each gradient within 2e-5 of its leaf's largest
+# entry (q_kernel; the other leaves 7e-7). Wrong rotary or learned positions move a
+# gradient by ~1 of that, targets in the wrong order the loss by 3e-3.
+LOSS_RTOL, GRAD_TOL = 1e-6, 1e-4
 
 
 def _program(model: ModelConfig, mesh_cfg: MeshConfig, train: TrainConfig = TRAIN):
@@ -157,6 +166,63 @@ def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_para
   losses, params, text = _train(program, model)
   _assert_same(losses, params, _one_device(model))
   _assert_split_over_context(program, model, text, sequence_parallel)
+
+
+def _loss_and_grads(model: ModelConfig, mesh_cfg: MeshConfig):
+  """The loss and gradients of step 0's batch at program.init()'s parameters, by the
+  gradient strategy train_step.build plans for mesh_cfg (unpipelined, no micro-batches)."""
+  program = _program(model, mesh_cfg)
+  mesh = program.mesh.shape
+  plan = gradients.plan(
+    model.num_layers, 1, 1, mesh["data"], 1, TRAIN.pipeline_schedule, 0, mesh[context.CONTEXT]
+  )
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(model, nnx.Rngs(0))))
+  loss_and_grads = gradients.strategy(plan, train_step.loss_pieces(model, graphdef))
+  batch = data.batch(TRAIN.task, TRAIN.seed, 0, TRAIN.global_batch, model.seq_len, model.vocab_size)
+  with jax.set_mesh(program.mesh):
+    loss, (grads, _) = jax.jit(loss_and_grads)(
+      program.init().params, {}, jax.device_put(batch, program.batch_sharding)
+    )
+  return float(loss), jax.tree.map(np.asarray, grads)
+
+
+_ONE_DEVICE_GRADS = {}
+
+
+@pytest.mark.parametrize(
+  "model, mesh_cfg, sequence_parallel",
+  [
+    (LLAMA, MeshConfig(data=1, context=2), False),
+    (LLAMA, MeshConfig(data=2, context=2, tensor=2), False),
+    (LLAMA, MeshConfig(data=1, context=4), False),
+    (GPT, MeshConfig(data=1, context=2), False),
+    (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
+  ],
+  ids=[
+    "llama-context2",
+    "llama-context2-data2-tensor2",
+    "llama-context4",
+    "gpt-context2",
+    "gpt-context2-fsdp2-tensor2-sp",
+  ],
+)
+def test_context_parallel_loss_and_gradients_match_one_device(model, mesh_cfg, sequence_parallel):
+  """The step's loss and every gradient, not only where two Adam steps leave the
+  parameters: token order, true positions (rotary and learned), masks and targets."""
+  if model not in _ONE_DEVICE_GRADS:
+    _ONE_DEVICE_GRADS[model] = _loss_and_grads(model, MeshConfig(data=1))
+  loss_1, grads_1 = _ONE_DEVICE_GRADS[model]
+  loss, grads = _loss_and_grads(
+    dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg
+  )
+  np.testing.assert_allclose(loss, loss_1, rtol=LOSS_RTOL)
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_1), strict=True
+  ):
+    scale = np.abs(b).max()
+    np.testing.assert_allclose(
+      a, b, rtol=0, atol=GRAD_TOL * scale, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def _assert_same(losses, params, reference):
