@@ -213,6 +213,7 @@ def build(
       loss, (grads, amaxes) = gradients.strategy(plan, pieces)(trainable, scales, batch)
       updates, opt_state = tx.update(grads, state.opt_state, trainable)
       params = nnx.merge_state(optax.apply_updates(trainable, updates), frozen)
+      load = None  # LoRA models are dense (refused with experts above)
     else:
       loss, (grads, amaxes) = loss_and_grads(state.params, scales, batch)
       # Routed layers: the router biases' "gradients" are the experts' loads (model/moe.py).
