@@ -25,7 +25,9 @@ from jax.ad_checkpoint import checkpoint_name
 from errors import UserInputError
 from model import block_scaled, fp8, lora, mla, moe, rope
 from model import matmul as dense
+from model.attention import attention
 from model.config import ModelConfig
+from model.norms import norm
 from parallelism import context, rules, sequence
 from parallelism.rules import constrain
 
@@ -145,62 +147,6 @@ class Layers(nnx.Module):
     if adapters is not None and adapters.enabled:
       contracted = {name: _CONTRACTED_AXES.get(name, 1) for name in kernels(cfg)}
       lora.add_adapters(self, adapters, contracted, rngs, dt)
-
-
-def layer_norm(
-  x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5
-) -> jax.Array:
-  """LayerNorm with statistics in float32 whatever the compute dtype."""
-  x32 = x.astype(jnp.float32)
-  mean = x32.mean(-1, keepdims=True)
-  var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-  y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-  y = y * scale
-  return (y if bias is None else y + bias).astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), statistics in float32."""
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
-  return (y * scale).astype(x.dtype)
-
-
-def norm(cfg: ModelConfig, x: jax.Array, p: dict, prefix: str) -> jax.Array:
-  """The norm cfg names, with parameters p[prefix + "_scale"] (and "_bias")."""
-  if cfg.norm == "rmsnorm":
-    return rms_norm(x, p[f"{prefix}_scale"], cfg.norm_eps)
-  return layer_norm(x, p[f"{prefix}_scale"], p.get(f"{prefix}_bias"), cfg.norm_eps)
-
-
-def attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, kind: str = "xla", mask: jax.Array | None = None
-) -> jax.Array:
-  """Causal softmax attention. q: [B, T, H, K], k: [B, S, G, K], v: [B, S, G, V] with G
-  dividing H (query head h uses K/V head h // (H / G)) -> [B, T, H, V]; V is K but with
-  latent attention (model/mla.py); kind as ModelConfig.attention.
-  mask [T, S] (True: attend; context parallelism's, by true positions), else causal by
-  index (S = T)."""
-  if kind == "cudnn":
-    if mask is None:
-      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    # As a [1, 1, T, S] bias: the kernel computes every score block, skipping none.
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="cudnn")
-  B, T, H, K = q.shape
-  G = k.shape[2]
-  causal = jnp.tril(jnp.ones((T, T), bool)) if mask is None else mask
-  if G == H:
-    scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(K)  # [B, H, T, T]
-    scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqt,bthv->bqhv", probs, v)
-  # Grouped: each K/V head meets its H / G query heads in one batched matmul, with no
-  # copy of K and V per query head.
-  q = q.reshape(B, T, G, H // G, K)
-  scores = jnp.einsum("bqgjk,btgk->bgjqt", q, k) / math.sqrt(K)  # [B, G, H/G, T, T]
-  scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bgjqt,btgv->bqgjv", probs, v).reshape(B, T, H, v.shape[-1])
 
 
 def residual_axes(cfg: ModelConfig) -> tuple[str, str, str]:

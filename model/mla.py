@@ -27,6 +27,7 @@ from flax import nnx
 
 from model import rope
 from model.config import ModelConfig
+from model.norms import rms_norm
 from parallelism.rules import constrain
 
 
@@ -49,25 +50,19 @@ def init_params(layers: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, stack: str
   layers.kv_up = nnx.Param(normal((L, Rkv, H, K + V)), axes=(stack, None, "heads", "kv"))
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
-  return (y * scale).astype(x.dtype)
-
-
 def qkv(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The normed residual h [B, T, D] -> q, k [B, T, H, K + R_r] (rotary dims rotated) and
   v [B, T, H, V]."""
   K, Rkv, Rr = cfg.head_dim, cfg.kv_lora_rank, cfg.rope_head_dim
   heads = ("batch", "length", "act_heads", None)
   if cfg.q_lora_rank:
-    cq = _rms_norm(jnp.einsum("btd,dr->btr", h, p["q_down"]), p["q_norm_scale"], cfg.norm_eps)
+    cq = rms_norm(jnp.einsum("btd,dr->btr", h, p["q_down"]), p["q_norm_scale"], cfg.norm_eps)
     q = jnp.einsum("btr,rhk->bthk", cq, p["q_up"])
   else:
     q = jnp.einsum("btd,dhk->bthk", h, p["q_kernel"])
   q = constrain(q, heads)
   latent = jnp.einsum("btd,dr->btr", h, p["kv_down"])  # [B, T, R_kv + R_r]
-  ckv = _rms_norm(latent[..., :Rkv], p["kv_norm_scale"], cfg.norm_eps)
+  ckv = rms_norm(latent[..., :Rkv], p["kv_norm_scale"], cfg.norm_eps)
   kv = constrain(jnp.einsum("btr,rhk->bthk", ckv, p["kv_up"]), heads)  # [B, T, H, K + V]
   rotary = dataclasses.replace(cfg, head_dim=Rr)
   q_rope = rope.rotate(q[..., K:], rotary)

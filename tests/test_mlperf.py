@@ -22,7 +22,7 @@ from experiments import mlperf_gpt3_175b as mlperf
 from experiments import overrides
 from hardware import catalog
 from model import fp8
-from model.gpt import attention
+from model.attention import attention
 from parallelism import sequence
 from parallelism.mesh import AXES, MeshConfig
 from projection import (
