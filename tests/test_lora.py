@@ -147,39 +147,28 @@ def _max_rel_update_error(sharded, single, first):
 
 
 @pytest.mark.parametrize(
-  "mesh, reference",
+  "mesh",
   [
-    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), ()),
-    (("mesh.data=2", "mesh.tensor=2", "mesh.context=2"), ("mesh.context=2",)),
+    ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"),
+    ("mesh.data=2", "mesh.tensor=2", "mesh.context=2"),
   ],
   ids=["data2-fsdp2-tensor2", "data2-tensor2-context2"],
 )
-def test_sharded_adapters_match_one_device(mesh, reference):
-  """8 devices against one (and, with context parallelism, against context 2 alone)."""
-  exp = _exp(*mesh)
-  ref_exp = _exp(*reference)
-  ref_devices = 2 if reference else 1
-  first = jax.tree.map(np.asarray, _program(ref_exp, ref_devices).init())
+def test_sharded_adapters_match_one_device(mesh):
+  """8 devices against one."""
+  exp, one_exp = _exp(*mesh), _exp()
+  first = jax.tree.map(np.asarray, _program(one_exp, 1).init())
   sharded, sharded_losses = _steps(_program(exp, 8), exp, 3)
-  ref, ref_losses = _steps(_program(ref_exp, ref_devices), ref_exp, 3)
+  one, one_losses = _steps(_program(one_exp, 1), one_exp, 3)
   # float32 throughout; the sharded step sums the same products in another order (heads
-  # over tensor ranks, rows over replicas, embed over fsdp): rounding, 1e-7 relative a sum.
-  np.testing.assert_allclose(sharded_losses, ref_losses, rtol=1e-5)
+  # over tensor ranks, rows over replicas, embed over fsdp, keys over context ranks):
+  # rounding, 1e-7 relative a sum.
+  np.testing.assert_allclose(sharded_losses, one_losses, rtol=1e-5)
   # Three Adam updates (lr 1e-2) normalise each entry by its gradient's size, so the
   # relative rounding of small gradients reaches the parameters undamped: compared with
-  # the size of the update itself (measured: 7e-5).
-  assert _max_rel_update_error(sharded[-1].params, ref[-1].params, first.params) < 1e-3
+  # the size of the update itself (measured: 9e-5, and 1.2e-4 with context 2).
+  assert _max_rel_update_error(sharded[-1].params, one[-1].params, first.params) < 1e-3
   assert sharded_losses[-1] < sharded_losses[0]
-  if reference:
-    # Context parallelism against one device: the first loss (B = 0: the base model's)
-    # differs by 5.2e-4 relative, as the same mesh without adapters (lora.rank=0) does
-    # by 1.8e-4 and tests/test_context.py's RTOL of 2e-4 allows; not rounding of float32
-    # sums, and the adapters' updates then differ by more than their size (so do the
-    # whole model's without LoRA): a context-parallel discrepancy that predates LoRA,
-    # reported, bounded here on the losses only.
-    one_exp = _exp()
-    _, one_losses = _steps(_program(one_exp, 1), one_exp, 3)
-    np.testing.assert_allclose(sharded_losses, one_losses, rtol=2e-3)
 
 
 def test_dropout_changes_the_step():

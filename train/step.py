@@ -234,6 +234,15 @@ def build(
     }
     return TrainState(state.step + 1, params, opt_state, history), metrics
 
+  def step_on_mesh(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    # The model reads the mesh while it traces (context.ranks and positions, the K/V
+    # exchange, rules.constrain, ...), and a jit's shardings do not set it: traced outside
+    # the mesh, a context-parallel step ran each rank's slab as a whole sequence (attention
+    # within the slab, positions by index). So the step traces under its own mesh, however
+    # it is called.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return train_step(state, batch)
+
   abstract_state = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
   )
@@ -241,7 +250,7 @@ def build(
     mesh=mesh,
     init=jax.jit(init, out_shardings=state_shardings),
     step=jax.jit(
-      train_step,
+      step_on_mesh,
       in_shardings=(state_shardings, batch_sharding),
       out_shardings=(state_shardings, replicated),
       donate_argnums=0,
