@@ -40,7 +40,8 @@ class Distributed:
 def whole_number(text: str) -> int | None:
   """`text` as a non-negative whole number in ASCII digits, else None (str.isdigit alone
   accepts digits such as '²' that int() refuses)."""
-  if text.isascii() and text.isdigit():
+  # Past 18 digits no count, port or id is meant (and int() refuses over 4,300 digits).
+  if text.isascii() and text.isdigit() and len(text) <= 18:
     return int(text)
   return None
 

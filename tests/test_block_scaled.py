@@ -217,7 +217,7 @@ def test_blackwell_compile_runs_every_weight_gemm_block_scaled(fmt, operand):
   step = aot_compile.compile_step(
     model,
     train,
-    (("data", 1), ("fsdp", 1), ("context", 1), ("tensor", 1), ("pipeline", 1)),
+    (("data", 1), ("fsdp", 1), ("expert", 1), ("context", 1), ("tensor", 1), ("pipeline", 1)),
     "b200",
     8,
   )

@@ -24,7 +24,8 @@ from hardware import catalog
 from model import config as model_config
 from model import flops, gpt, lora
 from parallelism import mesh as mesh_lib
-from projection import aot_compile, hlo, project, targets
+from projection import aot_compile, hlo, targets
+from projection.plan import plan
 from tools import make_tokens
 from train import data as data_lib
 from train import loop
@@ -353,7 +354,7 @@ def test_benchmark_step_at_512_h100_fits_and_runs_the_lora_flops():
   3% over.)"""
   exp = experiments.at_target(experiments.load("mlperf_llama2_70b_lora"), 512, "h100")
   exp = dataclasses.replace(exp, latency_profile=False)
-  reduced = project.plan(exp, catalog.get("h100"), 512)
+  reduced = plan(exp, catalog.get("h100"), 512).reduced
   assert (reduced.sizes["data"], reduced.sizes["context"], reduced.sizes["tensor"]) == (2, 2, 4)
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
   compiled = aot_compile.compile_step(

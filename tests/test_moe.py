@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from projected import projected
 
 import experiments
 from errors import UserInputError
@@ -21,7 +22,7 @@ from model import flops, moe
 from model.config import ModelConfig, preset
 from model.gpt import GPT
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import hlo, project, targets
+from projection import hlo, targets
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -267,7 +268,7 @@ def test_expert_all_to_all_is_costed_on_nvlink_or_infiniband():
       "train.micro_batch=1",
     ],
   )
-  h100, gb200 = (project.project(exp, hw, 16) for hw in ("h100", "gb200"))
+  h100, gb200 = (projected(exp, hw, 16) for hw in ("h100", "gb200"))
   by_axis = [r["breakdown"]["exposed_comm_by_axis_s"] for r in (h100, gb200)]
   assert all(set(axes) == {"expert"} for axes in by_axis), by_axis
   assert by_axis[0]["expert"] > 2 * by_axis[1]["expert"], by_axis
