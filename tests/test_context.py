@@ -147,19 +147,13 @@ def test_each_rank_holds_chunk_i_and_chunk_2cp_minus_1_minus_i():
 @pytest.mark.parametrize(
   "model, mesh_cfg, sequence_parallel",
   [
-    (LLAMA, MeshConfig(data=1, context=2), False),
     # 4 tensor ranks, 2 K/V heads: each rank takes the K/V head its query heads share.
     (LLAMA, MeshConfig(data=1, context=2, tensor=4), True),
     (LLAMA, MeshConfig(data=2, context=2), False),
-    # GPT: learned positions and a fused QKV kernel, with FSDP under tensor + SP.
-    (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
   ],
-  ids=[
-    "llama-context2",
-    "llama-context2-tensor4-sp",
-    "llama-context2-data2",
-    "gpt-context2-fsdp2-tensor2-sp",
-  ],
+  # Context 2 alone and GPT under fsdp + tensor + SP: their losses and every gradient are
+  # checked below, which is what two Adam steps could get wrong for them.
+  ids=["llama-context2-tensor4-sp", "llama-context2-data2"],
 )
 def test_context_parallel_step_matches_one_device(model, mesh_cfg, sequence_parallel):
   program = _program(dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg)
@@ -195,14 +189,13 @@ _ONE_DEVICE_GRADS = {}
     (LLAMA, MeshConfig(data=1, context=2), False),
     (LLAMA, MeshConfig(data=2, context=2, tensor=2), False),
     (LLAMA, MeshConfig(data=1, context=4), False),
-    (GPT, MeshConfig(data=1, context=2), False),
+    # GPT: learned positions and a fused QKV kernel, with FSDP under tensor + SP.
     (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
   ],
   ids=[
     "llama-context2",
     "llama-context2-data2-tensor2",
     "llama-context4",
-    "gpt-context2",
     "gpt-context2-fsdp2-tensor2-sp",
   ],
 )
