@@ -99,11 +99,13 @@ def test_matmul_and_its_gradients_are_within_the_formats_error(fmt):
   def product(matmul):
     return lambda x, w: jnp.vdot(matmul(SPEC, x, w), g)
 
-  exact = jax.grad(product(jnp.einsum), argnums=(0, 1))(x, w)
-  scaled = jax.grad(product(lambda s, x, w: block_scaled.einsum(s, x, w, fmt)), argnums=(0, 1))(
-    x, w
-  )
-  forward = _relative(block_scaled.einsum(SPEC, x, w, fmt), jnp.einsum(SPEC, x, w))
+  # Jitted: one compile each, where op-by-op dispatch compiles every quantization op apart.
+  exact = jax.jit(jax.grad(product(jnp.einsum), argnums=(0, 1)))(x, w)
+  scaled = jax.jit(
+    jax.grad(product(lambda s, x, w: block_scaled.einsum(s, x, w, fmt)), argnums=(0, 1))
+  )(x, w)
+  einsum = jax.jit(lambda x, w: block_scaled.einsum(SPEC, x, w, fmt))
+  forward = _relative(einsum(x, w), jnp.einsum(SPEC, x, w))
   errors = [forward, _relative(scaled[0], exact[0]), _relative(scaled[1], exact[1])]
   assert max(errors) < MATMUL_RTOL[fmt], errors
   # Not exact either: a format that did nothing would pass the bound above.
@@ -131,8 +133,8 @@ def test_weights_quantized_once_a_step_give_the_same_products(fmt):
       out += jnp.vdot(block_scaled.einsum(SPEC, x, w, fmt), g)
     return out
 
-  once = jax.value_and_grad(lambda s, x: total(s, x, True), argnums=(0, 1))(stack, x)
-  per_call = jax.value_and_grad(lambda s, x: total(s, x, False), argnums=(0, 1))(stack, x)
+  once = jax.jit(jax.value_and_grad(lambda s, x: total(s, x, True), argnums=(0, 1)))(stack, x)
+  per_call = jax.jit(jax.value_and_grad(lambda s, x: total(s, x, False), argnums=(0, 1)))(stack, x)
   for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_call)):
     np.testing.assert_allclose(a, b, rtol=REDUCTION_RTOL, atol=REDUCTION_RTOL * np.abs(b).max())
 
