@@ -63,3 +63,16 @@ def test_write_block(tmp_path) -> None:
 
 def test_markdown_table() -> None:
   assert doc_blocks.markdown_table(("a", "b"), [("1", "2")]) == "| a | b |\n|---|---|\n| 1 | 2 |\n"
+
+
+def test_closing_the_loop_writes_its_table_as_a_block() -> None:
+  from benchmarks import closing_the_loop  # pylint: disable=import-outside-toplevel
+
+  point = closing_the_loop.POINTS[2]
+  result = closing_the_loop.Result(point, 0.10, 0.09, 0.08, None)
+  body = closing_the_loop.markdown([result], 20, (1.0, 2.0))
+  assert "| fsdp 2 | 2 | 0.1000 | 0.0800 | -20.0% | 0.0900 | -11.1% |" in body
+  assert "1 of 1 within 25% of the measured median" in body
+  with open(closing_the_loop.DOC, encoding="utf-8") as f:  # the doc holds the block
+    text = f.read()
+  assert doc_blocks.replace_block(text, closing_the_loop.DOC_SOURCE, body).count(body) == 1
