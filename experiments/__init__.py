@@ -1,55 +1,50 @@
-"""Experiments: one file per experiment, each with `get_config() -> ExperimentConfig`."""
+"""Experiments: one file per experiment, each with `get_config() -> ExperimentConfig`, and
+beside it, for an experiment that has a sweep, `NAME_sweep.py` with `SWEEP` (a
+sweep.definitions.Sweep: the points `--mode=sweep --experiment=NAME` visits).
+
+The package and the sweep modules import no jax: launch.py reads a sweep's mode to size
+the host platform before jax starts (modes/host_devices.py). ExperimentConfig, whose
+fields import jax, is loaded on first use (experiments/_config.py).
+"""
 
 import dataclasses
 import importlib
 import pkgutil
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from errors import UserInputError
-from model.config import ModelConfig
-from model.lora import LoraConfig
-from parallelism.mesh import MeshConfig
-from train.config import TrainConfig
+
+if TYPE_CHECKING:
+  from experiments._config import ExperimentConfig
+  from sweep.definitions import Sweep
+
+SWEEP_SUFFIX = "_sweep"
 
 
-@dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-  name: str
-  description: str
-  model: ModelConfig
-  mesh: MeshConfig
-  train: TrainConfig
-  # Named alternatives (e.g. published configurations), selected with `--set variant=NAME`,
-  # and the one a GPU count selects by default.
-  variants: Mapping[str, "ExperimentConfig"] = dataclasses.field(default_factory=dict)
-  variant_by_gpus: Mapping[int, str] = dataclasses.field(default_factory=dict)
-  # A time-to-train benchmark (experiments/_time_to_train.py): projections then also
-  # report time_to_train_min.
-  benchmark: Any = None
-  # Projections compile the step a second time with a latency profile of its own program
-  # on the target, as a tuned GPU run does (projection/aot_compile.py latency_profile): one
-  # more compile per GPU count, and XLA overlaps collectives by their projected durations.
-  latency_profile: bool = False
-  # LoRA fine-tuning (model/lora.py): rank 0, every parameter trains; `--set lora.rank=16`.
-  lora: LoraConfig = LoraConfig()
+def __getattr__(name: str) -> Any:
+  """`experiments.ExperimentConfig`, imported on first use (it imports jax)."""
+  if name == "ExperimentConfig":
+    from experiments._config import ExperimentConfig  # pylint: disable=import-outside-toplevel
+
+    return ExperimentConfig
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def names() -> list[str]:
   return sorted(
     m.name
     for m in pkgutil.iter_modules(__path__)
-    if not m.name.startswith("_") and m.name != "overrides"
+    if not m.name.startswith("_") and m.name != "overrides" and not m.name.endswith(SWEEP_SUFFIX)
   )
 
 
-def load(name: str) -> ExperimentConfig:
+def load(name: str) -> "ExperimentConfig":
   if name not in names():
     raise UserInputError(f"--experiment must be one of {', '.join(names())}, got {name!r}")
   return importlib.import_module(f"experiments.{name}").get_config()
 
 
-def variant(exp: ExperimentConfig, name: str) -> ExperimentConfig:
+def variant(exp: "ExperimentConfig", name: str) -> "ExperimentConfig":
   if name not in exp.variants:
     allowed = ", ".join(exp.variants) or "none"
     raise UserInputError(f"--set variant: {exp.name} has variants {allowed}, got {name!r}")
@@ -59,7 +54,9 @@ def variant(exp: ExperimentConfig, name: str) -> ExperimentConfig:
   )
 
 
-def at_target(exp: ExperimentConfig, gpus: int, hardware: str | None = None) -> ExperimentConfig:
+def at_target(
+  exp: "ExperimentConfig", gpus: int, hardware: str | None = None
+) -> "ExperimentConfig":
   """The configuration `gpus` GPUs (of `hardware`) run by default: a published one the
   count selects (`variant_by_gpus`), else the experiment module's own rule for the target
   (its `for_target(exp, hardware, gpus)`, where it has one), else `exp`."""
@@ -69,3 +66,22 @@ def at_target(exp: ExperimentConfig, gpus: int, hardware: str | None = None) -> 
   if hardware is None or rule is None:
     return exp
   return rule(exp, hardware, gpus)
+
+
+def sweep_names() -> list[str]:
+  """The experiments that have a sweep (an `experiments/NAME_sweep.py`)."""
+  return sorted(
+    m.name.removesuffix(SWEEP_SUFFIX)
+    for m in pkgutil.iter_modules(__path__)
+    if m.name.endswith(SWEEP_SUFFIX)
+  )
+
+
+def sweep(name: str) -> "Sweep":
+  """The sweep of experiment NAME (`experiments/NAME_sweep.py`'s SWEEP); imports no jax."""
+  if name not in sweep_names():
+    raise UserInputError(
+      f"--experiment: no sweep is defined for {name!r}; sweeps: "
+      f"{', '.join(sweep_names())} (experiments/NAME{SWEEP_SUFFIX}.py)"
+    )
+  return importlib.import_module(f"experiments.{name}{SWEEP_SUFFIX}").SWEEP

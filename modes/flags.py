@@ -21,7 +21,7 @@ MODE = flags.DEFINE_enum(
   "project: compile for --hardware and cost it on --gpus GPUs; "
   "search: the best parallelism configurations for --hardware and "
   "--gpus (projection/search.py); "
-  "sweep: the experiment's sweep (sweep/definitions.py).",
+  "sweep: the experiment's sweep (experiments/NAME_sweep.py).",
 )
 STEPS = flags.DEFINE_integer("steps", None, "Timed steps (overrides train.steps).", lower_bound=1)
 DEVICES = flags.DEFINE_integer(

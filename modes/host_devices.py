@@ -13,11 +13,12 @@ def _projects(argv: list[str]) -> bool:
   if "--mode=project" in argv or "--mode=search" in argv:
     return "--hardware=host" not in argv
   if "--mode=sweep" in argv:
-    from sweep import definitions  # pylint: disable=import-outside-toplevel (imports no jax)
+    # The experiments package and its sweep modules import no jax (experiments/__init__.py).
+    import experiments  # pylint: disable=import-outside-toplevel
 
     names = [a.split("=", 1)[1] for a in argv if a.startswith("--experiment=")]
-    definition = definitions.SWEEPS.get(names[-1] if names else "")
-    return definition is not None and definition.mode == "project"
+    name = names[-1] if names else ""
+    return name in experiments.sweep_names() and experiments.sweep(name).mode == "project"
   return False
 
 

@@ -1,9 +1,10 @@
-"""sweep mode: the experiment's sweep (sweep/definitions.py), resumed, then its report."""
+"""sweep mode: the experiment's sweep (experiments/NAME_sweep.py), resumed, then its report."""
 
 import sys
 
 import jax
 
+import experiments
 from modes.options import Options, experiment, gpu_counts, hardware_names, point_options
 from sweep import definitions, runner, summary
 
@@ -14,7 +15,7 @@ def run(options: Options) -> list[dict]:
   table and write the report; exit 1 when a point failed (a bug, not bad input: the
   reasons are in results.jsonl)."""
   definition = definitions.restricted(
-    definitions.get(options.experiment), hardware_names(options), gpu_counts(options)
+    experiments.sweep(options.experiment), hardware_names(options), gpu_counts(options)
   )
   if options.search_budget:
     definition = definitions.searched(definition, options.search_budget)

@@ -5,28 +5,18 @@ counts: *strong* scaling keeps the experiment's global batch at every count; *we
 scaling gives every data-parallel replica (data x fsdp) the same number of sequences, so
 the global batch grows with the count; *configured* keeps whatever batch the experiment
 sets at each count (the MLPerf experiment's published configurations).
-`--mode=sweep --experiment=NAME` runs SWEEPS[NAME].
+Each experiment's sweep is beside it, `experiments/NAME_sweep.py` (`experiments.sweep(NAME)`),
+and is what `--mode=sweep --experiment=NAME` runs. Imports no jax (modes/host_devices.py
+reads a sweep's mode before jax starts).
 """
 
 import dataclasses
 
 from errors import UserInputError
-from hardware import catalog
-from reference import mlperf_gpt3, mlperf_llama31_405b
 
-# Powers of two from one HGX node up, plus the GPU counts of published MLPerf GPT-3 runs
-# (reference/mlperf_gpt3.py).
-GPU_COUNTS = tuple(sorted([2**k for k in range(3, 15)] + list(mlperf_gpt3.PUBLISHED_GPU_COUNTS)))
-# Llama 3.1 405B from 256 GPUs (two replicas of H100's published TP 8 x PP 8 x CP 2) to
-# 8,192 (the largest published run, reference/mlperf_llama31_405b.py).
-LLAMA_GPU_COUNTS = tuple(2**k for k in range(8, 14))
 # The device counts of this machine's measured sweeps (tests/conftest.py and launch.py
 # give a process 8 host CPU devices).
 HOST_DEVICE_COUNTS = (1, 2, 4, 8)
-
-# Tokens the MLPerf GPT-3 175B benchmark trains to reach its target at global batch 2,048.
-# Time to train is that budget over the throughput.
-MLPERF_GPT3_TOKENS = mlperf_gpt3.TOKENS_AT_2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,47 +44,14 @@ class Sweep:
       raise ValueError("a searched sweep projects, with strong or configured scaling only")
 
 
-_GPT3 = Sweep(
-  mode="project",
-  counts=GPU_COUNTS,
-  hardware=tuple(catalog.names()),
-  # 2 sequences per replica is MLPerf v3.1's global batch of 2,688 at 10,752 GPUs
-  # (1,344 replicas of tensor 8); the strong series keeps the GPT-3 paper's 1,536.
-  weak_sequences_per_replica=2,
-  token_budget=MLPERF_GPT3_TOKENS,
-  token_budget_label="1.21 B tokens (MLPerf GPT-3 175B at global batch 2,048)",
-)
-
-# Measured sweeps: pure data parallelism, so every device count from 1 up has a mesh.
-_HOST = Sweep(
-  mode="benchmark",
-  counts=HOST_DEVICE_COUNTS,
-  overrides=("mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1"),
-)
-
-SWEEPS = {
-  "gpt3": _GPT3,
-  # The MLPerf experiment (experiments/mlperf_gpt3_175b.py) picks a published batch and
-  # parallelism by GPU count and reports its own time to train: one series, as configured.
-  "mlperf_gpt3_175b": dataclasses.replace(
-    _GPT3, scalings=("configured",), token_budget=0, token_budget_label=""
-  ),
-  # Llama 3 (8B by default) as gpt3: every generation, strong and weak scaling of its FSDP
-  # layout; 2 sequences of 8,192 per replica, as GPT-3's 2 of 2,048 (a 4M-token batch at
-  # 256 replicas, Meta's Llama 2 recipe).
-  "llama3": dataclasses.replace(_GPT3, token_budget=0, token_budget_label=""),
-  # The MLPerf Llama experiment picks the published run, or the generation's published
-  # layout and batch rule, for each target (experiments/mlperf_llama31_405b.py
-  # for_target) and reports its own time to train: the generations MLPerf ran it on.
-  "mlperf_llama31_405b": Sweep(
-    mode="project",
-    counts=LLAMA_GPU_COUNTS,
-    hardware=tuple(mlperf_llama31_405b.TENSOR_BY_HARDWARE),
-    scalings=("configured",),
-  ),
-  "tiny": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=5")),
-  "cpu_char": dataclasses.replace(_HOST, overrides=(*_HOST.overrides, "train.steps=3")),
-}
+def measured(*overrides: str) -> Sweep:
+  """A sweep measured on this machine's devices: pure data parallelism, so every device
+  count from 1 up has a mesh; `overrides` follow the data-parallel ones."""
+  return Sweep(
+    mode="benchmark",
+    counts=HOST_DEVICE_COUNTS,
+    overrides=("mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1", *overrides),
+  )
 
 
 def searched(sweep: Sweep, budget: int) -> Sweep:
@@ -134,12 +91,3 @@ def restricted(sweep: Sweep, hardware: tuple[str, ...], counts: tuple[int, ...])
   return dataclasses.replace(
     sweep, hardware=hardware or sweep.hardware, counts=counts or sweep.counts
   )
-
-
-def get(name: str) -> Sweep:
-  if name not in SWEEPS:
-    raise UserInputError(
-      f"--experiment: no sweep is defined for {name!r}; sweeps: "
-      f"{', '.join(sorted(SWEEPS))} (sweep/definitions.py)"
-    )
-  return SWEEPS[name]

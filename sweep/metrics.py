@@ -12,6 +12,7 @@ the strong scaling efficiency. A configured series (each count's own batch) gets
 same per-device throughput ratio.
 """
 
+from records.sweeps import ScalingFigures
 from sweep.definitions import Sweep
 
 
@@ -20,16 +21,18 @@ def series_key(record: dict) -> tuple:
   return (record["sweep_config"], record["scaling"], record["hardware"])
 
 
-def annotate(record: dict, baseline: dict | None, sweep: Sweep) -> dict:
-  """`record` with its scaling efficiency against `baseline` (None: `record` is the
-  baseline, efficiency 1) and its time to train when the sweep sets a token budget."""
-  if record["status"] != "ok":
-    return record
+def scaling(record: dict, baseline: dict | None, sweep: Sweep) -> ScalingFigures:
+  """The scaling figures of a point that ran (`record`, its JSON object) against
+  `baseline` (None: `record` is the baseline, efficiency 1), and its time to train when
+  the sweep sets a token budget and the point has none of its own."""
   base = baseline or record
-  record["scaling_baseline_devices"] = base["devices"]
-  record["scaling_efficiency"] = record["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
-  if "time_to_train_min" not in record and sweep.token_budget:
-    record["token_budget"] = sweep.token_budget
-    record["token_budget_label"] = sweep.token_budget_label
-    record["time_to_train_min"] = sweep.token_budget / record["tokens_per_s"] / 60
-  return record
+  efficiency = record["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
+  if "time_to_train_min" in record or not sweep.token_budget:
+    return ScalingFigures(base["devices"], efficiency)
+  return ScalingFigures(
+    base["devices"],
+    efficiency,
+    sweep.token_budget,
+    sweep.token_budget_label,
+    sweep.token_budget / record["tokens_per_s"] / 60,
+  )

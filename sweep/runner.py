@@ -23,7 +23,8 @@ from measure.point import PointOptions, run_point
 from parallelism import mesh as mesh_lib
 from projection import layout, project, search
 from projection.plan import plan
-from records.points import SearchProjected, to_json
+from records.points import MeasuredPoint, ProjectedPoint, SearchProjected
+from records.sweeps import SweepLabels, SweepRecord
 from report import results
 from sweep import metrics
 from sweep.definitions import Sweep
@@ -86,17 +87,17 @@ def point_experiment(base, exp, sweep: Sweep, point: Point):
   return dataclasses.replace(exp, train=dataclasses.replace(exp.train, global_batch=batch))
 
 
-def _measure(exp, devices: int, options: PointOptions) -> dict:
+def _measure(exp, devices: int, options: PointOptions) -> MeasuredPoint:
   """A benchmark-mode measured point on the first `devices` local devices."""
   measured = run_point(exp, "benchmark", fit.devices(devices), options).record
   if measured is None:  # only when --checkpoint_dir already holds the run's last step
     raise RuntimeError(
       f"no steps left to time: the checkpoint in {options.checkpoint_dir} is at the run's last step"
     )
-  return dict(to_json(measured))
+  return measured
 
 
-def _best_of_search(exp, sweep: Sweep, point: Point, how: str) -> dict:
+def _best_of_search(exp, sweep: Sweep, point: Point, how: str) -> ProjectedPoint:
   """The projection of the best configuration at `point` (the least over capacity if none
   fits) of `exp`'s own and the search's first `sweep.search_budget`; its `search` entry
   says which it is, and `projected` what else was projected and how fast."""
@@ -114,7 +115,7 @@ def _best_of_search(exp, sweep: Sweep, point: Point, how: str) -> dict:
     for r in found.records
   ]
   choice = dataclasses.replace(best.search, projected=projected)
-  return to_json(dataclasses.replace(best, search=choice))
+  return dataclasses.replace(best, search=choice)
 
 
 def _run_point(
@@ -124,7 +125,8 @@ def _run_point(
   point: Point,
   options: PointOptions,
   full_compile: bool,
-) -> dict:
+) -> tuple[str, ProjectedPoint | MeasuredPoint | None, str | None]:
+  """The point's status, and its record (it ran) or the reason it did not."""
   try:
     point_exp = point_experiment(base, at_target(point.hardware, point.devices), sweep, point)
     how = "full" if full_compile else "auto"
@@ -132,33 +134,29 @@ def _run_point(
       record = _best_of_search(point_exp, sweep, point, how)
     elif sweep.mode == "project":
       hw = host_calibration.hardware(point.hardware, point.devices)
-      record = to_json(project.project(point_exp, plan(point_exp, hw, point.devices), how))
+      record = project.project(point_exp, plan(point_exp, hw, point.devices), how)
     else:
       record = _measure(point_exp, point.devices, options)
   except UserInputError as e:
-    return {"status": "cannot_run", "reason": str(e)}
+    return "cannot_run", None, str(e)
   except Exception as e:  # pylint: disable=broad-except
     # Recorded and retried on the next run rather than losing the points after it.
-    return {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
-  record["status"] = "ok" if record.get("fits", True) else "does_not_fit"
-  return record
+    return "failed", None, f"{type(e).__name__}: {e}"
+  return ("ok" if getattr(record, "fits", True) else "does_not_fit"), record, None
 
 
-def _label(record: dict, exp, sweep: Sweep, key: str, point: Point) -> None:
+def _labels(exp, sweep: Sweep, key: str, point: Point) -> SweepLabels:
   """What every sweep record carries, whatever its status."""
-  record.update(
-    {
-      "sweep": exp.name,
-      "sweep_key": key,
-      "sweep_config": config_fingerprint(exp),
-      "sweep_mode": sweep.mode,
-      "scaling": point.scaling,
-      "hardware": point.hardware,
-      "devices": point.devices,
-      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+  return SweepLabels(
+    sweep=exp.name,
+    sweep_key=key,
+    sweep_config=config_fingerprint(exp),
+    sweep_mode=sweep.mode,
+    scaling=point.scaling,
+    hardware=point.hardware,
+    devices=point.devices,
+    time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   )
-  record.setdefault("experiment", exp.name)
 
 
 def run(
@@ -205,13 +203,15 @@ def run(
     for key in progress:
       point = keyed[key]
       progress.set_postfix_str(f"{point.scaling} {point.hardware} x {point.devices}")
-      record = _run_point(exp, at_target, sweep, point, options, full_compile)
-      _label(record, exp, sweep, key, point)
-      if record["status"] == "failed":
-        progress.write(f"point {key} failed: {record['reason']}")
+      status, ran, reason = _run_point(exp, at_target, sweep, point, options, full_compile)
+      typed = SweepRecord(status, _labels(exp, sweep, key, point), exp.name, ran, reason)
+      if status == "failed":
+        progress.write(f"point {key} failed: {reason}")
+      record = typed.to_json()
       series = metrics.series_key(record)
-      record = metrics.annotate(record, baselines.get(series), sweep)
-      if record["status"] == "ok":
+      if status == "ok":
+        scaling = metrics.scaling(record, baselines.get(series), sweep)
+        record = dataclasses.replace(typed, scaling=scaling).to_json()
         baselines.setdefault(series, record)
       results.append(output_dir, record)
       done[key] = record

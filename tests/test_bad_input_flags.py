@@ -143,7 +143,7 @@ _NAMES = st.one_of(
   gpus=st.lists(st.one_of(st.integers(-5, 20000).map(str), _NUMBERISH), max_size=3),
 )
 def test_sweep_restrictions_work_or_are_refused_naming_the_flag(hardware, gpus):
-  sweep = definitions.get("gpt3")
+  sweep = experiments.sweep("gpt3")
   options = options_lib.Options(hardware=tuple(hardware), gpus=tuple(gpus))
   try:
     restricted = definitions.restricted(

@@ -18,7 +18,6 @@ from errors import UserInputError
 from measure.point import build_point
 from modes import options as options_lib
 from parallelism import mesh as mesh_lib
-from sweep import definitions as sweep_definitions
 from train import hooks as hooks_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,7 +175,7 @@ def _build(*sets: str, name: str = "tiny") -> None:
     (lambda: _experiment("train.learning_rate=inf"), "train.learning_rate must be a finite number"),
     (lambda: hooks_lib.parse_profile_steps("4:2", 12), "--profile_steps must be A:B"),
     (lambda: hooks_lib.parse_profile_steps("\u00b2:3", 12), "--profile_steps must be A:B"),
-    (lambda: sweep_definitions.get("cpu_gpt2_small"), "no sweep is defined"),
+    (lambda: experiments.sweep("cpu_gpt2_small"), "no sweep is defined"),
     (lambda: options_lib.check_paths(options_lib.Options(output_dir="")), "--output_dir: empty"),
     (
       lambda: options_lib.check_paths(options_lib.Options(checkpoint_dir="")),

@@ -9,6 +9,8 @@ import csv
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -207,13 +209,42 @@ def test_sweep_points_restricted_and_searched_only_where_they_apply():
   assert (some.hardware, some.counts) == (("h100",), (8,))
   with pytest.raises(UserInputError, match="--hardware: 'gb300' is not one of this sweep"):
     definitions.restricted(SWEEP, ("gb300",), ())
-  measured = definitions.get("tiny")
+  measured = experiments.sweep("tiny")
   with pytest.raises(UserInputError, match="--hardware/--gpus: a measured sweep"):
     definitions.restricted(measured, (), (4,))
   with pytest.raises(UserInputError, match="--search_budget: a measured sweep"):
     definitions.searched(measured, 2)
   with pytest.raises(ValueError, match="strong or configured"):
     dataclasses.replace(SWEEP, search_budget=2)
+
+
+def test_each_sweep_is_beside_its_experiment_and_imports_no_jax():
+  # modes/host_devices.py reads a sweep's mode before jax starts.
+  code = (
+    "import json, sys, experiments\n"
+    "modes = {n: experiments.sweep(n).mode for n in experiments.sweep_names()}\n"
+    "assert 'jax' not in sys.modules, 'imported jax'\n"
+    "print(json.dumps(sorted(modes)))"
+  )
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+    [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  names = experiments.sweep_names()
+  assert set(names) <= set(experiments.names())
+  assert json.loads(out.stdout) == names
+  with pytest.raises(UserInputError, match="no sweep is defined for 'moe'"):
+    experiments.sweep("moe")
+  # The sweeps' GPU counts (their points: runner.points).
+  assert experiments.sweep("gpt3").counts == (
+    *(2**k for k in range(3, 14)),
+    10752,
+    11616,
+    16384,
+  )
+  assert experiments.sweep("mlperf_llama31_405b").counts == (256, 512, 1024, 2048, 4096, 8192)
+  assert experiments.sweep("tiny").counts == (1, 2, 4, 8)
 
 
 def test_a_results_file_with_the_old_duplicate_keys_still_resumes(swept, tmp_path, monkeypatch):

@@ -1,0 +1,5 @@
+"""The tiny experiment's sweep: measured on 1, 2, 4 and 8 of this machine's devices."""
+
+from sweep.definitions import measured
+
+SWEEP = measured("train.steps=5")
