@@ -144,8 +144,11 @@ def strategy(plan: Plan, pieces: LossPieces) -> LossAndGrads:
     )
   if plan.context_ranks == 1:
     return plain
-  # The batch stays split over `data` by the partitioner; only the slabs are mapped.
-  return _over_replicas(plain, 1, plan.context_ranks)
+  # The replicas are mapped apart with the slabs: left to the partitioner, `data` stays
+  # automatic inside sequence parallelism's shard_maps, whose collectives then gathered
+  # every replica's tokens (parallelism/sequence.py, which cannot nest a shard_map manual
+  # over `data` under the slabs' vmap).
+  return _over_replicas(plain, plan.replicas, plan.context_ranks)
 
 
 def split(batch: Batch, micro_batches: int) -> Batch:

@@ -11,7 +11,9 @@ The sharding constraints alone leave each exit an all-reduce and a slice in XLA'
 pipeline (the GPU pipeline has a pass that fuses the two), so the collectives are
 written out here with all_gather / psum_scatter inside a shard_map that is manual over
 `tensor` and automatic over the other axes. Each is the other's transpose, so the
-backward pass gets the mirror image. An FP8 matmul runs its entry's all-gather itself,
+backward pass gets the mirror image. Each collective is nested in a shard_map manual over
+the axes that split the batch as well (`_on_own_shards`): left automatic there, the
+partitioner gathered every data-parallel replica's tokens around it. An FP8 matmul runs its entry's all-gather itself,
 on its E4M3 cast (`Tensor`, model/fp8.py): half the bytes of gathering bfloat16.
 """
 
@@ -75,6 +77,48 @@ def _manual_only(logical_axes: Sequence[str | None], manual: frozenset[str]) -> 
   return PartitionSpec(*(part(a) for a in logical_axes))
 
 
+def _on_own_shards(
+  collective: Callable[[jax.Array], jax.Array],
+  x: jax.Array,
+  logical_axes: Sequence[str | None],
+  automatic: frozenset[str],
+) -> Callable[[jax.Array], jax.Array]:
+  """`collective` (over `tensor`, along the sequence) on each rank's own shard of the
+  dimensions that axes in `automatic` split: x's batch over `data` and the like.
+
+  In a shard_map manual over `tensor` only, the partitioner does not carry a sharding
+  through a collective: it gives the collective's operand no split over the automatic
+  axes, so the batch was all-gathered over `data` before every gather and reduce-scatter
+  (each replica then ran the region on every replica's tokens, and sliced its own back
+  out). Nesting the collective in a shard_map that is manual over those axes too keeps
+  each replica on its own tokens. Only activations pass through it (no weight whose
+  gradient the transpose would sum over them), and every spec names every axis it makes
+  manual, so its transpose adds no collective."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if rules.vmapped_axes():
+    # Under a jax.vmap with spmd_axis_name (context slabs, pipeline stages, replicas),
+    # jax 0.10.2 adds the vmapped axis to a nested shard_map's specs although the outer
+    # one already made it manual (a zero-sized shard). There `data` is vmapped too
+    # (parallelism/gradients.py _over_replicas), so only `fsdp` / `expert` stay automatic.
+    return collective
+
+  def part(name, size):
+    axes = [a for a in (rules.mesh_axes_of(name) if name else ()) if a in automatic]
+    axes = [a for a in axes if mesh.shape[a] > 1]
+    # An uneven split is left to the partitioner (a shard_map needs even shards).
+    if not axes or size % math.prod(mesh.shape[a] for a in axes):
+      return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+  spec = PartitionSpec(*(part(name, size) for name, size in zip(logical_axes, x.shape)))
+  own = frozenset(a for p in spec if p for a in ((p,) if isinstance(p, str) else p))
+  if not own:
+    return collective
+  return jax.shard_map(
+    collective, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=own, check_vma=False
+  )
+
+
 def matmul(
   fn: Callable,
   spec: str,
@@ -108,12 +152,18 @@ def matmul(
   wire = jnp.float32 if device is not None and device.platform == "cpu" else None
 
   def all_gather(x):
-    return jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True).astype(x.dtype)
+    def gather(x):
+      return jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True)
+
+    return _on_own_shards(gather, x, x_axes, automatic)(x).astype(x.dtype)
 
   def reduce_scatter(y):
-    return jax.lax.psum_scatter(
-      y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
-    ).astype(y.dtype)
+    def scatter(y):
+      return jax.lax.psum_scatter(
+        y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
+      )
+
+    return _on_own_shards(scatter, y, out_axes, automatic)(y).astype(y.dtype)
 
   # With context parallelism `context` is manual too: its sequence shards are those the
   # gathers over `tensor` complete (left automatic, the partitioner would reshard them).
@@ -153,6 +203,9 @@ def matmul(
   # axes (the pipeline's vmap adds one), which the varying-axes check rejects; every
   # collective here is explicit, so the check has nothing else to catch.
   axis_names = manual | rules.vmapped_axes()
+  # The axes the partitioner still lays out inside the shard_map (`data` and the others
+  # that split the batch), for the collectives to keep (_on_own_shards).
+  automatic = frozenset(mesh.axis_names) - axis_names
   if whole_mesh:
     rest = [a for a in mesh.axis_names if a not in axis_names and mesh.shape[a] > 1]
     if rest:
@@ -162,6 +215,7 @@ def matmul(
         "block-scaled matmul over axes left automatic); set model.sequence_parallel=false"
       )
     axis_names = frozenset(mesh.axis_names)
+    automatic = frozenset()
   return jax.shard_map(
     local,
     mesh=mesh,

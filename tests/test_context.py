@@ -188,6 +188,9 @@ _ONE_DEVICE_GRADS = {}
   [
     (LLAMA, MeshConfig(data=1, context=2), False),
     (LLAMA, MeshConfig(data=2, context=2, tensor=2), False),
+    # The replicas mapped apart with the slabs (gradients.py), sequence.py's collectives
+    # on each replica's own tokens.
+    (LLAMA, MeshConfig(data=2, context=2, tensor=2), True),
     (LLAMA, MeshConfig(data=1, context=4), False),
     # GPT: learned positions and a fused QKV kernel, with FSDP under tensor + SP.
     (GPT, MeshConfig(data=1, fsdp=2, context=2, tensor=2), True),
@@ -195,6 +198,7 @@ _ONE_DEVICE_GRADS = {}
   ids=[
     "llama-context2",
     "llama-context2-data2-tensor2",
+    "llama-context2-data2-tensor2-sp",
     "llama-context4",
     "gpt-context2-fsdp2-tensor2-sp",
   ],

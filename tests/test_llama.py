@@ -147,6 +147,8 @@ def _one_device(model: ModelConfig):
   "mesh_cfg, heads, kv_heads, kv_split, sequence_parallel",
   [
     (MeshConfig(data=2, tensor=2), 4, 2, True, False),
+    # sequence.py's collectives nested manual over `data` (each replica's own tokens).
+    (MeshConfig(data=2, tensor=2), 4, 2, True, True),
     # More tensor ranks than K/V heads: the K/V kernel replicated over `tensor`, with and
     # without sequence parallelism (whose shard_map then computes K/V whole on every rank).
     (MeshConfig(data=1, tensor=4), 4, 2, False, False),
@@ -155,6 +157,7 @@ def _one_device(model: ModelConfig):
   ],
   ids=[
     "data2-tensor2",
+    "data2-tensor2-sequence-parallel",
     "tensor4-2-kv-heads-replicated",
     "tensor4-2-kv-heads-replicated-sequence-parallel",
     "tensor2-4-kv-heads-split",
