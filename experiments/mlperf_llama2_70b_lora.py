@@ -75,13 +75,12 @@ def replayed(samples: int, evaluations: float) -> ReplayedRun:
 
 # Llama 2 70B at the benchmark's 8,192 tokens, as NVIDIA's NeMo configurations run it:
 # bf16 activations, FP8 matmuls on FP8-stored frozen weights (Transformer Engine's delayed
-# scaling), cuDNN flash attention. Without sequence parallelism (NVIDIA's runs use it): in
-# a step that is not pipelined, with context parallelism and data replicas, the
-# partitioner gathers each sequence-parallel region's input over `data` around the
-# partly manual shard_map of parallelism/sequence.py (70 GB a step on the 16-device
-# reduced mesh, 1.8 s of exposed communication at 512 H100), a defect outside LoRA; the
-# tensor-parallel all-reduces move the same bytes as sequence parallelism's all-gathers
-# and reduce-scatters, and the activations fit without the sequence split.
+# scaling), cuDNN flash attention. Without sequence parallelism (NVIDIA's runs use it): the
+# tables of docs/lora.md were projected so. Its collectives once gathered every region's
+# input over `data` too (1.8 s exposed at 512 H100, issue 32), fixed in
+# parallelism/sequence.py; with `--set model.sequence_parallel=true` the 512-H100 step is
+# 0.529 s against 0.579 s without, at 56.0 GB against 64.2 (the default is kept until
+# those tables are projected again).
 MODEL = dataclasses.replace(
   preset("llama2-70b"),
   seq_len=published.SEQ_LEN,

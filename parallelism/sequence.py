@@ -13,8 +13,9 @@ written out here with all_gather / psum_scatter inside a shard_map that is manua
 `tensor` and automatic over the other axes. Each is the other's transpose, so the
 backward pass gets the mirror image. Each collective is nested in a shard_map manual over
 the axes that split the batch as well (`_on_own_shards`): left automatic there, the
-partitioner gathered every data-parallel replica's tokens around it. An FP8 matmul runs its entry's all-gather itself,
-on its E4M3 cast (`Tensor`, model/fp8.py): half the bytes of gathering bfloat16.
+partitioner gathered every data-parallel replica's tokens around it. An FP8 matmul runs
+its entry's all-gather itself, on its E4M3 cast (`Tensor`, model/fp8.py): half the bytes
+of gathering bfloat16.
 """
 
 import functools
