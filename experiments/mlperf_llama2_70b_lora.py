@@ -79,7 +79,7 @@ def replayed(samples: int, evaluations: float) -> ReplayedRun:
 # tables of docs/lora.md were projected so. Its collectives once gathered every region's
 # input over `data` too (1.8 s exposed at 512 H100, issue 32), fixed in
 # parallelism/sequence.py; with `--set model.sequence_parallel=true` the 512-H100 step is
-# 0.529 s against 0.579 s without, at 56.0 GB against 64.2 (the default is kept until
+# 0.529 s against 0.576 s without, at 56.0 GB against 64.2 (the default is kept until
 # those tables are projected again).
 MODEL = dataclasses.replace(
   preset("llama2-70b"),
