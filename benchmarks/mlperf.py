@@ -103,7 +103,7 @@ BENCHMARKS = {
 GENERATIONS_GPUS = 512
 # The docs each generated table is written into (report/doc_blocks.py markers).
 DOCS = {
-  ("gpt3", "calibration"): ("docs/validation.md",),
+  ("gpt3", "calibration"): ("README.md", "docs/validation.md"),
   ("gpt3", "generations"): ("docs/validation.md", "docs/results.md"),
   ("llama", "calibration"): ("docs/llama.md", "docs/results.md"),
   ("llama", "generations"): ("docs/llama.md",),
