@@ -24,7 +24,7 @@ from hardware import catalog
 from model import config as model_config
 from model import flops, gpt, lora
 from parallelism import mesh as mesh_lib
-from projection import aot_compile, hlo, targets
+from projection import aot_compile, hlo, search, targets
 from projection.plan import plan
 from tools import make_tokens
 from train import data as data_lib
@@ -374,3 +374,19 @@ def test_benchmark_step_at_512_h100_fits_and_runs_the_lora_flops():
   assert found == pytest.approx(expected, rel=1e-12)
   # Against full fine-tuning of the same step: the frozen weights' gradients are gone.
   assert found < 0.75 * flops.matmul_flops_per_step(exp.model, reduced.global_batch, 2)
+
+
+def test_search_ranks_lora_candidates_as_lora():
+  """The search's pruning and prior take the adapters: no pipelined candidate (LoRA
+  refuses pipelines), the state of the frozen weights and the adapters' moments, the
+  gradients of the adapters only."""
+  exp = _exp("model.seq_len=64")
+  hw = catalog.get("h100")
+  found = search.rank(exp, hw, 8)
+  full = search.rank(dataclasses.replace(exp, lora=lora.LoraConfig()), hw, 8)
+  assert "mesh.pipeline" in found.pruned
+  assert all(reduced.target.sizes["pipeline"] == 1 for _, _, reduced in found.survivors)
+  priors = {c: p for c, p, _ in full.survivors}
+  for candidate, prior, _ in found.survivors:
+    assert prior.state_gb < priors[candidate].state_gb
+    assert prior.gradients_gb < priors[candidate].gradients_gb
