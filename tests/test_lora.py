@@ -390,3 +390,16 @@ def test_search_ranks_lora_candidates_as_lora():
   for candidate, prior, _ in found.survivors:
     assert prior.state_gb < priors[candidate].state_gb
     assert prior.gradients_gb < priors[candidate].gradients_gb
+
+
+def test_the_benchmark_sweep_plans_at_every_count():
+  """`--mode=sweep --experiment=mlperf_llama2_70b_lora`: every point the benchmark's own
+  layout (for_target), planned on each generation without a pipeline."""
+  sweep = experiments.sweep("mlperf_llama2_70b_lora")
+  assert sweep.scalings == ("configured",) and sweep.mode == "project"
+  exp = experiments.load("mlperf_llama2_70b_lora")
+  for hardware in sweep.hardware:
+    for gpus in sweep.counts:
+      point = experiments.at_target(exp, gpus, hardware)
+      sizes = plan(point, catalog.get(hardware), gpus).reduced.target.sizes
+      assert (sizes["tensor"], sizes["pipeline"]) == (4, 1)
