@@ -76,8 +76,8 @@ def replayed(samples: int, evaluations: float) -> ReplayedRun:
 # Llama 2 70B at the benchmark's 8,192 tokens, as NVIDIA's NeMo configurations run it:
 # bf16 activations, FP8 matmuls on FP8-stored frozen weights (Transformer Engine's delayed
 # scaling), cuDNN flash attention, sequence parallelism (SP=1 in NVIDIA's H100 configs of
-# training_results_v4.0 and in the v4.1 config_common.sh; their tensor-parallel
-# communication overlap requires it), no activation recomputation.
+# github.com/mlcommons/training_results_v4.0 and in v4.1's config_common.sh; their
+# tensor-parallel communication overlap requires it), no activation recomputation.
 MODEL = dataclasses.replace(
   preset("llama2-70b"),
   seq_len=published.SEQ_LEN,
