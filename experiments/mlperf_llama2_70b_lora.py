@@ -75,18 +75,15 @@ def replayed(samples: int, evaluations: float) -> ReplayedRun:
 
 # Llama 2 70B at the benchmark's 8,192 tokens, as NVIDIA's NeMo configurations run it:
 # bf16 activations, FP8 matmuls on FP8-stored frozen weights (Transformer Engine's delayed
-# scaling), cuDNN flash attention. Without sequence parallelism (NVIDIA's runs use it): the
-# tables of docs/lora.md were projected so. Its collectives once gathered every region's
-# input over `data` too (1.8 s exposed at 512 H100, issue 32), fixed in
-# parallelism/sequence.py; with `--set model.sequence_parallel=true` the 512-H100 step is
-# 0.529 s against 0.576 s without, at 56.0 GB against 64.2 (the default is kept until
-# those tables are projected again).
+# scaling), cuDNN flash attention, sequence parallelism (SP=1 in NVIDIA's H100 configs of
+# github.com/mlcommons/training_results_v4.0 and in v4.1's config_common.sh; their
+# tensor-parallel communication overlap requires it), no activation recomputation.
 MODEL = dataclasses.replace(
   preset("llama2-70b"),
   seq_len=published.SEQ_LEN,
   param_dtype="bfloat16",
   attention="cudnn",
-  sequence_parallel=False,
+  sequence_parallel=True,
   fp8=True,
   fp8_amax_history=1024,
 )
@@ -106,9 +103,7 @@ def _experiment(run: published.PublishedRun, benchmark, suffix: str = "") -> Exp
     description=f"{run.round_name} {run.system}: {run.gpus:,} {run.hardware.upper()}, TP "
     f"{run.tensor}, CP {run.context}, GBS {run.global_batch} (published {run.score_min} "
     f"min){suffix}",
-    # On 8 GPUs (no context split, no sequence parallelism) the activations a layer keeps
-    # make 93.4 of H100's 85 GB (save_dots too): each layer's forward is recomputed.
-    model=MODEL if run.gpus > 8 else dataclasses.replace(MODEL, remat="full"),
+    model=MODEL,
     mesh=MeshConfig(data=-1, tensor=run.tensor, context=run.context),
     train=TrainConfig(
       global_batch=run.global_batch,

@@ -41,7 +41,7 @@ from jax.sharding import AbstractMesh, AxisType
 from errors import UserInputError
 from hardware.catalog import Hardware
 from model.config import REMAT_POLICIES
-from model.flops import param_count, train_flops_per_token
+from model.flops import lora_adapter_param_count, lora_train_flops_per_token, param_count
 from parallelism import gradients, one_f_one_b, pipeline, sharding
 from parallelism.mesh import AXES
 from projection import aot_compile, layout, project
@@ -142,7 +142,9 @@ class Prior:
   passes, 4 with full remat); tensor-parallel activations (8 x d_model bytes per token
   and layer, each way) over NVLink; context parallelism's K/V gathers (2 x K/V heads x
   head size bytes a token and layer, each pass) and the gradient all-reduce over data and
-  context, over the NICs. Context ranks split the tokens, and so the activations.
+  context, over the NICs. Context ranks split the tokens, and so the activations. With
+  LoRA (`exp.lora`): the state is the frozen weights, adapters and their moments; the
+  FLOPs are LoRA's, the weights read as stored, and the gradients the adapters' alone.
   """
 
   state_gb: float
@@ -273,10 +275,19 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
     held_layers = one_f_one_b.schedule(micro, pp, virtual).slots * layers_per_gpu / virtual
   # Each context rank holds 1 / CP of every sequence's tokens.
   activations = held_tokens * held_layers * per_token_layer / cp
-  weight_bytes = param_count(model) * jax.numpy.dtype(model.param_dtype).itemsize / (tp * pp * fsdp)
+  # LoRA (exp.lora): the frozen weights are read as stored; only the adapters' gradients
+  # are reduced.
+  adapters = getattr(exp, "lora", None)
+  lora = adapters is not None and adapters.enabled
+  dtype = adapters.base_dtype if lora else model.param_dtype
+  weight_bytes = param_count(model) * jax.numpy.dtype(dtype).itemsize / (tp * pp * fsdp)
+  grad_bytes = weight_bytes
+  if lora:
+    grad_bytes = lora_adapter_param_count(model, adapters) * 2 / (tp * pp * fsdp)
 
   gpus = reduced.target.devices
-  flops = train_flops_per_token(model) * exp.train.global_batch * model.seq_len / gpus
+  flops = lora_train_flops_per_token(model, adapters) * exp.train.global_batch * model.seq_len
+  flops /= gpus
   flops *= 4 / 3 if model.remat == "full" else 1
   rate = (hw.achievable_tflops("fp8") if model.fp8 else None) or hw.achievable_tflops("bf16")
   bubble = pipeline.bubble_fraction(micro // passes, pp, virtual) if pp > 1 else 0.0
@@ -294,9 +305,9 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   cp_s = cp_passes * kv_bytes * layers_per_gpu / (cp_bw * 1e9)
   # The gradients are reduced over data and context together.
   reducers = data * cp
-  dp_s = 2 * weight_bytes * (reducers - 1) / reducers / (hw.nic_gb_s_per_gpu * 1e9)
+  dp_s = 2 * grad_bytes * (reducers - 1) / reducers / (hw.nic_gb_s_per_gpu * 1e9)
   step_s = compute_s + hbm_s + tp_s + cp_s + dp_s
-  return Prior(state_bytes / GB, weight_bytes / GB, activations / GB, step_s, bubble)
+  return Prior(state_bytes / GB, grad_bytes / GB, activations / GB, step_s, bubble)
 
 
 def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
@@ -345,7 +356,8 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
       if key not in built:
         try:
           train_cfg = dataclasses.replace(cand_exp.train, global_batch=reduced.global_batch)
-          program = train_step.build(cand_exp.model, train_cfg, _abstract_mesh(reduced.sizes))
+          mesh = _abstract_mesh(reduced.sizes)
+          program = train_step.build(cand_exp.model, train_cfg, mesh, getattr(exp, "lora", None))
           built[key] = sharding.bytes_per_device(program.abstract_state)
         except UserInputError as e:
           built[key] = e
