@@ -10,9 +10,14 @@
     2. Generations: 512 GPUs of each generation in its own published layout (tensor 8 on
        H100, 4 on H200 / B200 / GB200, 2 on GB300), then H100 and H200 like for like in
        each of the two HGX layouts (tensor 8 and tensor 4).
+  --benchmark=deepseek (DeepSeek-V3 671B, experiments/mlperf_deepseek_v3_671b.py):
+    1. Calibration: 512 GB200 (NVIDIA tyche-hsg, 27.61 min) and 8,192 GB300 (CoreWeave,
+       2.02 min), each in its published layout (reference/mlperf_deepseek_v3_671b.py).
+    2. Generations: GB200 and GB300 at 512 GPUs in the published GB200 layout.
 
   python benchmarks/mlperf.py --benchmark=gpt3
   python benchmarks/mlperf.py --benchmark=llama --skip_generations
+  python benchmarks/mlperf.py --benchmark=deepseek --skip_generations
 
 A projection that does not fit in HBM is untimed (projection/project.py). To show where
 its time would go, this script also times every point as if capacity were unlimited
@@ -40,7 +45,7 @@ platform_env.configure(host_devices=8)
 
 import experiments  # noqa: E402
 from errors import UserInputError  # noqa: E402
-from experiments import mlperf_llama31_405b, overrides  # noqa: E402
+from experiments import mlperf_deepseek_v3_671b, mlperf_llama31_405b, overrides  # noqa: E402
 from hardware import catalog  # noqa: E402
 from measure import host_calibration  # noqa: E402
 from projection import (  # noqa: E402
@@ -91,6 +96,16 @@ BENCHMARKS = {
     "",
     (("mesh.tensor=8",), ("mesh.tensor=4",)),
     ("h100", "h200"),
+  ),
+  "deepseek": Benchmark(
+    "mlperf_deepseek_v3_671b",
+    tuple(
+      (name, run.hardware, run.gpus, run.score_min)
+      for name, run in mlperf_deepseek_v3_671b.PUBLISHED.items()
+    ),
+    # The generations MLPerf has DeepSeek-V3 results on (NVL72 racks).
+    ("gb200", "gb300"),
+    "gb200_512",
   ),
 }
 GENERATIONS_GPUS = 512
@@ -232,7 +247,7 @@ def generations(bench: Benchmark, hardware: list[str], sets: list[str]) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--benchmark", default="gpt3", help="gpt3 or llama")
+  parser.add_argument("--benchmark", default="gpt3", help="gpt3, llama or deepseek")
   parser.add_argument("--skip_generations", action="store_true")
   parser.add_argument("--skip_calibration", action="store_true")
   parser.add_argument("--hardware", default="", help="generations (default: the benchmark's)")
