@@ -273,6 +273,8 @@ def test_expert_all_to_all_is_costed_on_nvlink_or_infiniband():
   by_axis = [r["breakdown"]["exposed_comm_by_axis_s"] for r in (h100, gb200)]
   assert all(set(axes) == {"expert"} for axes in by_axis), by_axis
   assert by_axis[0]["expert"] > 2 * by_axis[1]["expert"], by_axis
+  # The record says how the routing was costed.
+  assert h100["routing"].startswith("taken as balanced: every expert's matmuls at capacity")
 
 
 def _param_count(name: str) -> int:
