@@ -164,7 +164,9 @@ def dispatch(x: jax.Array, slot: jax.Array, num_slots: int) -> jax.Array:
   tokens = jnp.broadcast_to(jnp.arange(T)[None, :, None], slot.shape)
   # Which token fills each slot (T: none, a zero row); the drop slot S is cut off.
   token_of_slot = jnp.full((B, num_slots + 1), T, jnp.int32).at[rows, slot].set(tokens)
-  padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)  # [B, T + 1, D]
+  # Operand and indices split alike over the batch, so the gather stays on each rank.
+  token_of_slot = constrain(token_of_slot, ("batch", None))
+  padded = constrain(jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1), ("batch", None, None))
   return jnp.take_along_axis(padded, token_of_slot[:, :num_slots, None], axis=1)
 
 
@@ -172,7 +174,9 @@ def combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
   """y [B, S, D] the experts' outputs, slot and gates [B, T, k] -> [B, T, D]."""
   B, T, k = slot.shape
   padded = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # [B, S + 1, D]
-  picked = jnp.take_along_axis(padded, slot.reshape(B, T * k, 1), axis=1)  # [B, T k, D]
+  padded = constrain(padded, ("batch", None, None))
+  index = constrain(slot.reshape(B, T * k, 1), ("batch", None, None))
+  picked = jnp.take_along_axis(padded, index, axis=1)  # [B, T k, D]
   # Elementwise, not an einsum: k is small, and a dot here would be matmul work the FLOPs
   # formula (model/flops.py) does not count.
   return (picked.reshape(B, T, k, -1) * gates.astype(y.dtype)[..., None]).sum(2)
