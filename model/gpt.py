@@ -367,6 +367,9 @@ class GPT(nnx.Module):
   ):
     cfg.validate()
     self.cfg = cfg
+    # Pipelined, the dense first layers of a MoE model run before the pipeline (`prefix`),
+    # not in every chunk: layer_params leaves them out.
+    self.pipelined = pipelined
     # LoRA (model/lora.py): adapters on the kernels it targets, the base frozen.
     self.adapters = adapters if adapters is not None and adapters.enabled else None
     D, V, dt = cfg.d_model, cfg.padded_vocab, jnp.dtype(cfg.param_dtype)
@@ -407,7 +410,7 @@ class GPT(nnx.Module):
       for name, v in vars(self.layers).items()
       if isinstance(v, nnx.Param)
     }
-    if hasattr(self, "dense_layers"):
+    if hasattr(self, "dense_layers") and not self.pipelined:
       params["dense_prefix"] = {
         name: self._cast(v)
         for name, v in vars(self.dense_layers).items()
@@ -454,6 +457,15 @@ class GPT(nnx.Module):
       else:
         x = x + self._cast(self.wpe)[: tokens.shape[1]]
     return constrain(x, residual_axes(self.cfg))
+
+  def prefix(self, x: jax.Array) -> jax.Array:
+    """Pipelined: the dense first layers of a MoE model on x [B, T, D] (identity without)."""
+    if not hasattr(self, "dense_layers"):
+      return x
+    params = {
+      n: self._cast(v) for n, v in vars(self.dense_layers).items() if isinstance(v, nnx.Param)
+    }
+    return run_layers(self.cfg.dense_prefix(), x, params)
 
   def head(self, x: jax.Array) -> jax.Array:
     """The last layer's output [B, T, D] -> logits [B, T, V] float32."""

@@ -57,6 +57,7 @@ from flax import nnx
 
 from errors import UserInputError
 from model.config import ModelConfig
+from parallelism import pipeline
 from parallelism.rules import constrain
 
 # The parameters a MoE layer adds to the stack (besides the shared experts' fc1/fc2).
@@ -83,10 +84,10 @@ def init_params(
   )
 
 
-def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int]) -> None:
-  """What model/moe.py runs on a mesh: experts dividing over `expert`; not yet pipelined or
-  context parallel (the balance loss's gradient is attached once per micro-batch's forward,
-  which the pipeline schedules would not scale as they scale the loss)."""
+def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int], schedule: str = "1f1b") -> None:
+  """What model/moe.py runs on a mesh: experts dividing over `expert`; pipelined by the
+  1f1b schedule only (the lockstep loops of parallelism/pipeline.py compute idle trips
+  whose loads and balance-loss gradients would count); not yet context parallel."""
   ways = mesh_shape.get("expert", 1)
   if not cfg.moe:
     if ways > 1:
@@ -98,12 +99,17 @@ def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int]) -> None:
     raise UserInputError(
       f"model.num_experts = {cfg.num_experts} does not divide over mesh.expert = {ways}"
     )
-  for axis in ("pipeline", "context"):
-    if mesh_shape.get(axis, 1) > 1:
-      raise UserInputError(
-        f"mesh.{axis} = {mesh_shape[axis]}: mixtures of experts (model.num_experts > 0) "
-        f"do not run {axis}-parallel yet; use mesh.{axis}=1"
-      )
+  if mesh_shape.get("context", 1) > 1:
+    raise UserInputError(
+      f"mesh.context = {mesh_shape['context']}: mixtures of experts (model.num_experts > 0) "
+      "do not run context-parallel yet; use mesh.context=1"
+    )
+  if mesh_shape.get("pipeline", 1) > 1 and schedule != "1f1b":
+    raise UserInputError(
+      f"mesh.pipeline = {mesh_shape['pipeline']} with train.pipeline_schedule = "
+      f"{schedule}: mixtures of experts pipeline with the 1f1b schedule only; set "
+      "train.pipeline_schedule=1f1b"
+    )
 
 
 def capacity(cfg: ModelConfig, tokens: int) -> int:
@@ -158,7 +164,9 @@ def dispatch(x: jax.Array, slot: jax.Array, num_slots: int) -> jax.Array:
   tokens = jnp.broadcast_to(jnp.arange(T)[None, :, None], slot.shape)
   # Which token fills each slot (T: none, a zero row); the drop slot S is cut off.
   token_of_slot = jnp.full((B, num_slots + 1), T, jnp.int32).at[rows, slot].set(tokens)
-  padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)  # [B, T + 1, D]
+  # Operand and indices split alike over the batch, so the gather stays on each rank.
+  token_of_slot = constrain(token_of_slot, ("batch", None))
+  padded = constrain(jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1), ("batch", None, None))
   return jnp.take_along_axis(padded, token_of_slot[:, :num_slots, None], axis=1)
 
 
@@ -166,7 +174,9 @@ def combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
   """y [B, S, D] the experts' outputs, slot and gates [B, T, k] -> [B, T, D]."""
   B, T, k = slot.shape
   padded = jnp.concatenate([y, jnp.zeros_like(y[:, :1])], axis=1)  # [B, S + 1, D]
-  picked = jnp.take_along_axis(padded, slot.reshape(B, T * k, 1), axis=1)  # [B, T k, D]
+  padded = constrain(padded, ("batch", None, None))
+  index = constrain(slot.reshape(B, T * k, 1), ("batch", None, None))
+  picked = jnp.take_along_axis(padded, index, axis=1)  # [B, T k, D]
   # Elementwise, not an einsum: k is small, and a dot here would be matmul work the FLOPs
   # formula (model/flops.py) does not count.
   return (picked.reshape(B, T, k, -1) * gates.astype(y.dtype)[..., None]).sum(2)
@@ -184,18 +194,27 @@ def balance_loss(cfg: ModelConfig, scores: jax.Array, counts: jax.Array) -> jax.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attach(coef: float, y: jax.Array, aux: jax.Array, bias: jax.Array, load: jax.Array):
-  """y unchanged; backward: aux's gradient is coef, bias's is load (see the module docstring)."""
+def _attach(
+  coef: float, y: jax.Array, aux: jax.Array, bias: jax.Array, load: jax.Array, weight: jax.Array
+):
+  """y unchanged; backward: aux's gradient is coef x weight, bias's is load x weight (see
+  the module docstring; weight 0: a pipeline's padding row, parallelism/pipeline.py)."""
   return y
 
 
-def _attach_fwd(coef, y, aux, bias, load):
-  return y, (aux, bias, load)
+def _attach_fwd(coef, y, aux, bias, load, weight):
+  return y, (aux, bias, load, weight)
 
 
 def _attach_bwd(coef, residuals, g):
-  aux, bias, load = residuals
-  return g, jnp.full_like(aux, coef), load.astype(bias.dtype), jnp.zeros_like(load)
+  aux, bias, load, weight = residuals
+  return (
+    g,
+    jnp.full_like(aux, coef) * weight,
+    (load * weight).astype(bias.dtype),
+    jnp.zeros_like(load),
+    jnp.zeros_like(weight),
+  )
 
 
 _attach.defvjp(_attach_fwd, _attach_bwd)
@@ -224,7 +243,9 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   y = combine(out, slot, gates)
   if cfg.aux_loss_coef > 0 or cfg.router_bias_rate > 0:
     aux = balance_loss(cfg, scores, counts) if cfg.aux_loss_coef > 0 else jnp.zeros(())
-    y = _attach(cfg.aux_loss_coef, y, aux, p[BIAS], counts.sum(0).astype(jnp.float32))
+    row = pipeline.row_weight()
+    weight = jnp.ones((), jnp.float32) if row is None else row
+    y = _attach(cfg.aux_loss_coef, y, aux, p[BIAS], counts.sum(0).astype(jnp.float32), weight)
   return y, dropped
 
 
@@ -251,5 +272,8 @@ def balance(params: nnx.State, load: jax.Array | None, rate: float) -> nnx.State
 
 
 def load_imbalance(load: jax.Array) -> jax.Array:
-  """Mean over layers of the busiest expert's load over the mean load (1: balanced)."""
-  return (load.max(-1) / jnp.maximum(load.mean(-1), 1e-20)).mean()
+  """Mean over layers of the busiest expert's load over the mean load (1: balanced); rows
+  that routed nothing (a pipeline's padding rows, parallelism/pipeline.py) left out."""
+  routed = load.sum(-1) > 0
+  ratio = load.max(-1) / jnp.maximum(load.mean(-1), 1e-20)
+  return jnp.where(routed, ratio, 0).sum() / jnp.maximum(routed.sum(), 1)

@@ -66,6 +66,13 @@ class LossPieces(NamedTuple):
   split_stack: Callable[[Any], tuple[Any, Any, Any]]
   join_stack: Callable[[Any, Any, Any], Any]
   activation_axes: Sequence[str | None]  # logical axes of x [b, T, D]
+  # Pipelined: (params, x) -> x, layers run after the embedding, before the pipeline (a
+  # MoE model's dense first layers, which the stack of routed layers cannot hold); None:
+  # none.
+  prefix: Callable[[Params, jax.Array], jax.Array] | None = None
+  # The layers' backward adds to weight gradients beyond what the output's cotangent
+  # gives (model/moe.py): the 1F1B schedule drops idle trips' weight gradients.
+  zero_idle_grads: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +288,8 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
     rest, layers = pieces.split_params(params)
 
     def front(params):
+      if pieces.prefix is not None:
+        return prefixed(params), pieces.stack(params, scales)
       # Every rank embeds the micro-batches itself (only rank 0 reads them): embedded once,
       # they were all-reduced over `pipeline`, and their gradients too (512 H100 as
       # published: 2 x 1.6 GB, 0.1 s a step).
@@ -289,6 +298,19 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
         embed = lambda tokens: pieces.embed(params, tokens)
         x = jax.vmap(jax.vmap(embed), spmd_axis_name=axis)(tokens)  # [P, M, mb, T, D]
       return x, pieces.stack(params, scales)
+
+    def prefixed(params):
+      # The embedding and the prefix layers, the micro-batches split over the pipeline
+      # ranks (M / P each: repeated on every rank, DeepSeek-V3's 3 dense layers would add a
+      # fifth to each rank's work), then gathered over `pipeline` for rank 0 (the
+      # gradients reduce-scattered back). Recomputed for the backward: kept, the 3 layers'
+      # activations of M / P micro-batches would live through the whole pipeline.
+      tokens = micro["inputs"].reshape(stages, -1, *micro["inputs"].shape[1:])
+      one = jax.checkpoint(lambda tokens: pieces.prefix(params, pieces.embed(params, tokens)))
+      with rules.vmapped(axis):
+        x = jax.vmap(jax.vmap(one), spmd_axis_name=axis)(pipeline.pin(tokens))
+      x = x.reshape(-1, *x.shape[2:])  # [M, mb, T, D]
+      return pipeline.pin(jnp.broadcast_to(x, (stages, *x.shape)))
 
     (x, stack), front_vjp = jax.vjp(front, params)
     weights, constants, stack_scales = pieces.split_stack(stack)
@@ -314,6 +336,7 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       virtual,
       pieces.activation_axes,
       _active_rows(plan),
+      pieces.zero_idle_grads,
     )
     zeros = jax.tree.map(jnp.zeros_like, (constants, stack_scales))
     grads = front_vjp((d_x, pieces.join_stack(d_weights, *zeros)))[0]

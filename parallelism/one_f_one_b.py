@@ -192,6 +192,7 @@ def run(
   virtual_stages: int,
   activation_axes: Sequence[str | None],
   active: np.ndarray | None = None,
+  zero_idle_grads: bool = False,
 ) -> tuple[jax.Array, Any, Any, jax.Array, Any]:
   """One data-parallel replica's forward and backward through the pipeline.
 
@@ -206,6 +207,9 @@ def run(
   loss's gradient for ys and any gradients of its own. activation_axes: the logical axes
   of a micro-batch's activations [b, ...]. active: an uneven split's `pipeline.active_rows`
   [P, V C] (None: even); chunk_fn then takes a fifth argument, the chunk's rows' [C] flags.
+  zero_idle_grads: an idle trip's weight gradient is dropped, for layers whose backward adds
+  to it beyond what their zeroed output cotangent gives (model/moe.py's loads and balance
+  loss); otherwise it is zero anyway and nothing is selected.
 
   Returns (summed head losses, gradients of weights [L, ...], the largest cotangent of
   each scale over the micro-batches [L, ...], gradients of inputs [P, M, b, ...] (zero but
@@ -280,6 +284,8 @@ def run(
       kept = [s[row[B_SLOT]] for s in slots]
       first = row[B_CHUNK] * C
       dx, (dw, d_scales) = backward(kept, w, consts, first, g)
+      if zero_idle_grads:
+        dw = jax.tree.map(lambda a: jnp.where(row[B_VALID] == 1, a, 0), dw)
       # An idle trip recomputes its forward on stale data: its observations are dropped.
       d_scales = jax.tree.map(lambda a: jnp.where(row[B_VALID] == 1, a, 0), d_scales)
       grads = (

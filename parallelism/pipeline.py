@@ -13,7 +13,12 @@ L + 2 = P V C, the first chunk one layer lighter (the embedding's place) and the
 too (the loss's). The stack then holds P V C rows, of which the first and the last in
 model order are padding: copies of a neighbouring layer that the chunks skip (their output
 replaced by their input, so their gradients are zero). Every chunk still runs C layer
-slots, as lockstep SPMD ranks do anyway; `active_rows` says which are layers.
+slots, as lockstep SPMD ranks do anyway; `active_rows` says which are layers. In general
+C = ceil(L / (P V)) and the P V C - L padding rows are split between the two ends (the
+first half, rounded down, in front), fewer than C at each end, so that the first and the
+last chunk hold a layer: DeepSeek-V3's 58 routed layers in 16 chunks of 4 leave 3 at each
+end (NVIDIA's layout puts the embedding and the 3 dense layers in the first chunk, MTP and
+the loss in the last).
 
 Schedule. The loop runs the stages in lockstep. One trip: every rank applies one chunk
 (C layers) to its current micro-batch, then the outputs move one rank on (a collective
@@ -42,7 +47,9 @@ parallelism/one_f_one_b.py runs the same layout under the 1F1B schedule, its bac
 written out instead of derived from this loop.
 """
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -116,19 +123,28 @@ def check(
 
 
 def split(num_layers: int, stages: int, virtual_stages: int) -> tuple[int, bool]:
-  """(layer slots per chunk C, padded): equal chunks of L / (P V) layers, else with the
-  embedding and the loss counted as layers, (L + 2) / (P V) slots a chunk, the first and
-  the last chunk's outer slot padding. Neither: UserInputError."""
+  """(layer slots per chunk C, padded): equal chunks of L / (P V) layers, else C =
+  ceil(L / (P V)) slots a chunk with the P V C - L padding slots at the two ends, fewer than
+  C at each (`padding`; e.g. the embedding and the loss counted as layers, L + 2 = P V C).
+  Neither: UserInputError."""
   chunks = stages * virtual_stages
   if num_layers % chunks == 0:
     return num_layers // chunks, False
-  if (num_layers + 2) % chunks == 0 and num_layers + 2 >= 2 * chunks:
-    return (num_layers + 2) // chunks, True
+  chunk = -(-num_layers // chunks)
+  if padding(num_layers, chunks * chunk)[1] < chunk:
+    return chunk, True
   raise UserInputError(
     f"model.num_layers = {num_layers} does not split into mesh.pipeline {stages} x "
     f"train.virtual_stages {virtual_stages} = {chunks} chunks: it must be a multiple of "
-    f"{chunks}, or {chunks} x C - 2 with C >= 2 (the embedding and the loss counted as layers)"
+    f"{chunks}, or leave fewer than C padding slots at each end of {chunks} chunks of C "
+    f"(e.g. {chunks} x C - 2 with C >= 2: the embedding and the loss counted as layers)"
   )
+
+
+def padding(num_layers: int, rows: int) -> tuple[int, int]:
+  """Padding rows (in front, at the end) in model order of a stack of `rows` slots."""
+  lead = (rows - num_layers) // 2
+  return lead, rows - num_layers - lead
 
 
 def stack_rows(num_layers: int, stages: int, virtual_stages: int) -> int:
@@ -153,7 +169,8 @@ def active_rows(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray
     return None
   rows = stages * virtual_stages * chunk
   position = _position_of_row(rows, stages, virtual_stages)
-  return ((position > 0) & (position < rows - 1)).reshape(stages, virtual_stages * chunk)
+  lead, trail = padding(num_layers, rows)
+  return ((position >= lead) & (position < rows - trail)).reshape(stages, virtual_stages * chunk)
 
 
 def stage_order(layers: Any, stages: int, virtual_stages: int) -> Any:
@@ -162,9 +179,10 @@ def stage_order(layers: Any, stages: int, virtual_stages: int) -> Any:
 
   def leaf(x):
     chunk, padded = split(x.shape[0], stages, virtual_stages)
-    position = _position_of_row(stages * virtual_stages * chunk, stages, virtual_stages)
+    rows = stages * virtual_stages * chunk
+    position = _position_of_row(rows, stages, virtual_stages)
     if padded:
-      position = np.clip(position - 1, 0, x.shape[0] - 1)
+      position = np.clip(position - padding(x.shape[0], rows)[0], 0, x.shape[0] - 1)
     return x[position]
 
   return jax.tree.map(leaf, layers)
@@ -177,10 +195,35 @@ def model_order(layers: Any, stages: int, virtual_stages: int, num_layers: int =
   def leaf(x):
     order = np.argsort(_position_of_row(x.shape[0], stages, virtual_stages))
     if num_layers and num_layers != x.shape[0]:
-      order = order[1:-1]
+      lead, trail = padding(num_layers, x.shape[0])
+      order = order[lead : x.shape[0] - trail]
     return x[order]
 
   return jax.tree.map(leaf, layers)
+
+
+# The layer row running now (1.0) or a padding row whose output is dropped (0.0), as a
+# traced float, while `masked_chunk` runs it; None elsewhere. A layer whose backward adds
+# to gradients beyond its output's cotangent (model/moe.py: the balance loss's gradient
+# and the experts' loads) scales that part by it, which zero output cotangents alone do
+# not silence.
+_ROW_WEIGHT: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+  "pipeline_row_weight", default=None
+)
+
+
+def row_weight() -> jax.Array | None:
+  """The weight of the padding-masked row being traced (see _ROW_WEIGHT), or None."""
+  return _ROW_WEIGHT.get()
+
+
+@contextlib.contextmanager
+def _row(weight: jax.Array) -> Iterator[None]:
+  token = _ROW_WEIGHT.set(weight)
+  try:
+    yield
+  finally:
+    _ROW_WEIGHT.reset(token)
 
 
 def masked_chunk(
@@ -193,7 +236,8 @@ def masked_chunk(
   """An uneven split's chunk: its C rows from `first` one at a time, a padding row's output
   replaced by its input. active [C] bool."""
   for j in range(active.shape[0]):
-    x = jnp.where(active[j], run_chunk(x, params, (first + j, 1)), x)
+    with _row(active[j].astype(jnp.float32)):
+      x = jnp.where(active[j], run_chunk(x, params, (first + j, 1)), x)
   return x
 
 

@@ -65,6 +65,21 @@ def costed(
   return Timing(cost, bubble, by_axis)
 
 
+def routing(model) -> str:
+  """How a MoE step's routing is costed: the compiled capacity buffers (model/moe.py) give
+  every expert the same C slots, whatever a real router picks."""
+  if model.capacity_factor <= 0:
+    return (
+      "dropless: every expert's matmuls over all T tokens of a sequence (E / k times the "
+      "balanced work); not a routing any run has"
+    )
+  return (
+    f"taken as balanced: every expert's matmuls at capacity factor {model.capacity_factor:g} "
+    f"x k T / E slots a sequence, whatever the router picks (real runs are not "
+    f"force-balanced: their busiest expert sets the time)"
+  )
+
+
 def record(
   exp,
   hw: Hardware,
@@ -114,6 +129,8 @@ def record(
     composition=composition,
     composed_estimate=composed_estimate,
   )
+  if exp.model.moe:
+    point["routing"] = routing(exp.model)
   if not point["fits"]:
     return ProjectedPoint(**point, over_capacity_gb=compiled.memory_gb - capacity_gb)
 

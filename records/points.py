@@ -206,3 +206,5 @@ class ProjectedPoint:
   # (their meaning: projection/record.py).
   breakdown: dict | None = None
   comm_s: float | None = None
+  # A mixture of experts: how the projection takes the routing (projection/record.py).
+  routing: str | None = None

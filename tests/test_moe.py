@@ -21,6 +21,7 @@ from experiments import overrides
 from model import flops, moe
 from model.config import ModelConfig, preset
 from model.gpt import GPT
+from parallelism import pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from projection import hlo, targets
 from train import data
@@ -272,6 +273,8 @@ def test_expert_all_to_all_is_costed_on_nvlink_or_infiniband():
   by_axis = [r["breakdown"]["exposed_comm_by_axis_s"] for r in (h100, gb200)]
   assert all(set(axes) == {"expert"} for axes in by_axis), by_axis
   assert by_axis[0]["expert"] > 2 * by_axis[1]["expert"], by_axis
+  # The record says how the routing was costed.
+  assert h100["routing"].startswith("taken as balanced: every expert's matmuls at capacity")
 
 
 def _param_count(name: str) -> int:
@@ -370,3 +373,47 @@ def test_bad_moe_input_at_the_command_line_is_one_line_and_exit_2():
   assert run.returncode == 2, run.stderr
   lines = run.stderr.strip().splitlines()
   assert len(lines) == 1 and "mesh.expert" in lines[0], run.stderr
+
+
+# ------------------------------------------------------------------ pipelined (1F1B)
+def _pipelined(model: ModelConfig, mesh_cfg: MeshConfig, micro_batch: int):
+  devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.pipeline
+  train = dataclasses.replace(TRAIN, micro_batch=micro_batch, pipeline_schedule="1f1b")
+  mesh_cfg = dataclasses.replace(mesh_cfg, devices_per_node=devices)
+  return train_step.build(
+    model, train, build_mesh(plan(mesh_cfg, devices), jax.devices()[:devices])
+  )
+
+
+@pytest.mark.parametrize(
+  "routed, mesh_cfg, micro_batch",
+  [
+    (2, MeshConfig(data=1, pipeline=2), 2),
+    (2, MeshConfig(data=1, expert=2, pipeline=2), 2),
+    # 3 routed layers in 2 chunks of 2 slots: one padding row, skipped.
+    (3, MeshConfig(data=1, expert=2, pipeline=2), 1),
+  ],
+  ids=["pipeline2", "expert2-pipeline2", "expert2-pipeline2-uneven"],
+)
+def test_pipelined_moe_step_matches_one_device(routed, mesh_cfg, micro_batch):
+  """The dense first layer before the pipeline, the routed ones in it (1F1B): the same
+  losses, loads and parameters as one device. The balance loss's gradient is scaled by
+  1 / M and the padding row's and idle trips' loads dropped, or they would differ."""
+  model = dataclasses.replace(MODEL, num_layers=1 + routed)
+  program = _pipelined(model, mesh_cfg, micro_batch)
+  losses, imbalance, params = _train(program, model)
+  losses_1, imbalance_1, params_1 = _one_device(model)
+  # Same tolerances as the sharded test above: float32 sums reordered, two Adam steps.
+  np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
+  np.testing.assert_allclose(imbalance, imbalance_1, rtol=1e-6)  # ratios of float32 means
+  params["layers"] = pipeline.model_order(params["layers"], 2, 1, routed)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_moe_pipelines_with_1f1b_only():
+  mesh = build_mesh(plan(MeshConfig(data=1, pipeline=2, devices_per_node=2), 2), jax.devices()[:2])
+  train = dataclasses.replace(TRAIN, micro_batch=2, pipeline_schedule="gpipe")
+  with pytest.raises(UserInputError, match="1f1b schedule only") as e:
+    train_step.build(MODEL, train, mesh)
+  assert "\n" not in str(e.value)

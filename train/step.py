@@ -95,6 +95,27 @@ def loss_pieces(
   )
 
 
+def _pieces(
+  model_cfg: ModelConfig, graphdef: nnx.GraphDef, plan: gradients.Plan
+) -> gradients.LossPieces:
+  """The model's pieces; a pipelined MoE model's with its dense first layers as the
+  prefix, idle trips' weight gradients dropped (the loads and the balance loss's gradient
+  do not vanish with the output's cotangent), and the balance loss's coefficient over the
+  M micro-batches: each micro-batch's forward attaches it whole, while the 1F1B schedule
+  weighs each micro-batch's language-model loss 1 / M (accumulation averages both)."""
+  pieces = loss_pieces(model_cfg, graphdef)
+  if not (plan.pipelined and model_cfg.moe):
+    return pieces
+  scaled = dataclasses.replace(
+    model_cfg, aux_loss_coef=model_cfg.aux_loss_coef / plan.micro_batches
+  )
+  return pieces._replace(
+    run_layers=functools.partial(run_layers, scaled),
+    prefix=lambda params, x: nnx.merge(graphdef, params).prefix(x),
+    zero_idle_grads=True,
+  )
+
+
 def build(
   model_cfg: ModelConfig,
   train_cfg: TrainConfig,
@@ -118,7 +139,10 @@ def build(
     )
 
   model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
-  moe.check_mesh(model_cfg, dict(mesh.shape))
+  moe.check_mesh(model_cfg, dict(mesh.shape), train_cfg.pipeline_schedule)
+  # The rows of the pipelined stack: a MoE model's routed layers (its dense first layers
+  # run before the pipeline, gradients.LossPieces.prefix).
+  stacked = model_cfg.moe_layers or model_cfg.num_layers
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
   if adapters.enabled and pipelined:
     raise UserInputError(
@@ -140,11 +164,7 @@ def build(
     if model_cfg.delayed_scaling:
       stack_axis = "stage" if pipelined else "layers"
       # Pipelined, one history per stored row (an uneven split's padding included).
-      rows = (
-        pipeline.stack_rows(model_cfg.num_layers, stages, virtual)
-        if pipelined
-        else (model_cfg.num_layers)
-      )
+      rows = pipeline.stack_rows(stacked, stages, virtual) if pipelined else (model_cfg.num_layers)
       history = {
         name: fp8.new_history(rows, model_cfg.fp8_amax_history, stack_axis)
         for name in kernels(model_cfg)
@@ -166,7 +186,7 @@ def build(
     )
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
   plan = gradients.plan(
-    model_cfg.num_layers,
+    stacked,
     stages,
     virtual,
     mesh.shape["data"],
@@ -200,7 +220,7 @@ def build(
   replicated = NamedSharding(mesh, PartitionSpec())
 
   # (params, scales, batch) -> (loss, (gradients, amaxes)) of the global batch.
-  loss_and_grads = gradients.strategy(plan, loss_pieces(model_cfg, graphdef))
+  loss_and_grads = gradients.strategy(plan, _pieces(model_cfg, graphdef, plan))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     history = {name: h[...] for name, h in state.fp8_history.items()}
