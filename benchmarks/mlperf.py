@@ -107,7 +107,7 @@ BENCHMARKS = {
   "deepseek": Benchmark(
     "mlperf_deepseek_v3_671b",
     tuple(
-      (name, run.hardware, run.gpus, run.score_min)
+      (name, run.hardware, run.gpus, run.score_min, mlperf_deepseek_v3_671b.published.ROUND)
       for name, run in mlperf_deepseek_v3_671b.PUBLISHED.items()
     ),
     # The generations MLPerf has DeepSeek-V3 results on (NVL72 racks).
@@ -116,7 +116,8 @@ BENCHMARKS = {
   ),
 }
 GENERATIONS_GPUS = 512
-# The docs each generated table is written into (report/doc_blocks.py markers).
+# The docs each generated table is written into (report/doc_blocks.py markers); a table
+# not listed (DeepSeek-V3's) is printed only.
 DOCS = {
   ("gpt3", "calibration"): ("README.md", "docs/validation.md"),
   ("gpt3", "generations"): ("docs/validation.md", "docs/results.md"),
@@ -355,7 +356,7 @@ def check_docs(benchmark: str, names: list[str]) -> None:
   """Refuse, before the first compile, a doc whose markers for these tables are wrong."""
   for name in names:
     source = f"benchmarks/mlperf.py --benchmark={benchmark} {name}"
-    for doc in DOCS[(benchmark, name)]:
+    for doc in DOCS.get((benchmark, name), ()):
       with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
         try:
           doc_blocks.replace_block(f.read(), source, "")
@@ -367,7 +368,7 @@ def write_docs(benchmark: str, blocks: dict[str, str]) -> None:
   """Each table into its block in every doc that holds it (DOCS)."""
   for name, body in blocks.items():
     source = f"benchmarks/mlperf.py --benchmark={benchmark} {name}"
-    for doc in DOCS[(benchmark, name)]:
+    for doc in DOCS.get((benchmark, name), ()):
       changed = doc_blocks.write_block(os.path.join(ROOT, doc), source, body)
       print(f"{doc}: {source} {'rewritten' if changed else 'unchanged'}")
 

@@ -81,6 +81,9 @@ class PublishedRun:
   score_min: float  # the published score: the median run, RCP-normalized
 
 
+ROUND = "v6.0"  # the round the benchmark and both calibration points are from
+
+
 # The calibration points (MLPerf Training v6.0 results; NVIDIA's config_GB200_*_mxfp8 and
 # CoreWeave's config_GB300_*_mxfp8 scripts in training_results_v6.0).
 CALIBRATION = (
