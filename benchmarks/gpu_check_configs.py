@@ -24,7 +24,7 @@ class Config:
   fallback_sets: tuple[str, ...] = ()
 
 
-# GPT-3 sizes: Brown et al. 2020 (model/config.py). Each fits one 141 GB H200 with room
+# GPT-3 sizes: Brown et al. 2020 (model/presets.py). Each fits one 141 GB H200 with room
 # to spare under JAX's default 75% preallocation: compiled deviceless for H200
 # (projection/aot_compile.py compile_step) they take 43 (compute), 11 (memory), 53 (remat)
 # and 42 GB (fp8) per device; the fallbacks 40 and 39 GB.
@@ -56,7 +56,7 @@ CONFIGS = (
     ("precision=fp8", "train.global_batch=8"),
     _XLA_ATTENTION,
   ),
-  # Last, so the time budget drops it first. Llama 3.2 1B: Meta's shapes (model/config.py).
+  # Last, so the time budget drops it first. Llama 3.2 1B: Meta's shapes (model/presets.py).
   Config(
     "llama",
     "grouped-query attention, SwiGLU, a 128K vocabulary: Llama 3.2 1B, bf16, "

@@ -9,7 +9,7 @@ are for GPU clusters and projection.
 import dataclasses
 
 from experiments import ExperimentConfig
-from model.config import preset
+from model.presets import preset
 from parallelism.mesh import MeshConfig
 from train.config import TrainConfig
 

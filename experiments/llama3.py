@@ -1,7 +1,7 @@
 """The Llama 3 family (Meta, arXiv:2407.21783), 8B by default; `--set model=llama3.1-70b` etc.
 
 Sizes: llama3.1-8b, llama3.1-70b, llama3.1-405b, llama3.2-1b, llama3.2-3b and
-llama3-tiny (the architecture at test size, for CPU runs); model/config.py holds their
+llama3-tiny (the architecture at test size, for CPU runs); model/presets.py holds their
 shapes. Sequences of 8,192 tokens, Llama 3's pre-training context. The recipe is the one
 Meta publishes for its 7B Llama 2 (Touvron et al. 2023, arXiv:2307.09288, section 2.2
 and Table 1): AdamW with beta2 0.95, eps 1e-5, weight decay 0.1, gradient clip 1.0, peak
@@ -16,7 +16,7 @@ too (`--set tensor_parallel=8 --set pipeline_parallel=...`).
 import dataclasses
 
 from experiments import ExperimentConfig
-from model.config import preset
+from model.presets import preset
 from parallelism.mesh import MeshConfig
 from train.config import TrainConfig
 

@@ -22,7 +22,7 @@ import math
 
 from experiments import ExperimentConfig
 from experiments._time_to_train import RcpNormalizedTimeToTrain
-from model.config import preset
+from model.presets import preset
 from parallelism.mesh import MeshConfig
 from reference import mlperf_deepseek_v3_671b as published
 from train.config import TrainConfig

@@ -17,7 +17,7 @@ import dataclasses
 
 from experiments import ExperimentConfig
 from experiments._time_to_train import TimeToTrain
-from model.config import preset
+from model.presets import preset
 from parallelism.mesh import MeshConfig
 from reference import mlperf_gpt3
 from train.config import TrainConfig

@@ -18,8 +18,8 @@ import math
 
 from experiments import ExperimentConfig
 from experiments._time_to_train import RcpNormalizedTimeToTrain, evaluation_s
-from model.config import preset
 from model.lora import LoraConfig
+from model.presets import preset
 from parallelism.mesh import MeshConfig
 from reference import mlperf_llama2_70b_lora as published
 from train.config import TrainConfig

@@ -20,7 +20,7 @@ import math
 import experiments
 from experiments import ExperimentConfig
 from experiments._time_to_train import RcpNormalizedTimeToTrain
-from model.config import preset
+from model.presets import preset
 from parallelism.mesh import MeshConfig
 from reference import mlperf_llama31_405b as published
 from train.config import TrainConfig

@@ -1,6 +1,6 @@
 """Mixtures of experts (model/moe.py): `moe-tiny` on 8 CPU devices by default.
 
-Sizes (`--set model=NAME`, model/config.py MOE_PRESETS): moe-tiny (3 layers, the first
+Sizes (`--set model=NAME`, model/presets.py MOE_PRESETS): moe-tiny (3 layers, the first
 dense; 8 experts, 2 a token, a shared one, sigmoid scores with bias balancing and
 group-limited routing), mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-671b. The mesh is
 data x expert x tensor = 2 x 2 x 2: the experts split over `expert`, which is data-parallel
@@ -12,7 +12,7 @@ the loss falling and the balancing at work (`expert_load_max_over_mean` in the m
 import dataclasses
 
 from experiments import ExperimentConfig
-from model.config import preset
+from model.presets import preset
 from parallelism.mesh import MeshConfig
 from train.config import TrainConfig
 

@@ -2,7 +2,7 @@
 
 KEY is a dotted path into the experiment (`model.num_layers`, `mesh.tensor`,
 `train.global_batch`); VALUE is parsed by the field's type. `model=NAME` swaps in a
-named model size (model/config.py PRESETS); `variant=NAME` swaps in one of the experiment's
+named model size (model/presets.py PRESETS); `variant=NAME` swaps in one of the experiment's
 named variants (experiments/mlperf_gpt3_175b.py's published configurations).
 
 Shortcuts for the parallelism of a projection, each setting the real field(s):
@@ -22,7 +22,8 @@ from typing import Any
 
 import experiments
 from errors import UserInputError
-from model.config import REMAT_POLICIES, preset
+from model.config import REMAT_POLICIES
+from model.presets import preset
 
 _NOT_SETTABLE = ("name", "description", "variants", "variant_by_gpus", "benchmark")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")

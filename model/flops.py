@@ -36,7 +36,7 @@ Mixtures of experts (model/moe.py) count active weights: a routed layer's MLP te
 
 and its parameters hold all E experts (3 * D * Fe each) and the router's bias [E]. The
 first_dense_layers layers count as dense ones. DeepSeek-V3 671B with full multi-head attention
-standing in for its MLA (model/config.py): 688.3e9 parameters, 37.9e9 active matmul weights
+standing in for its MLA (model/presets.py): 688.3e9 parameters, 37.9e9 active matmul weights
 (docs/moe.md has the figures against the published 671e9 and 37e9).
 
 Recomputation (remat) is not model FLOPs: MFU deliberately ignores it. Rotary

@@ -2,7 +2,7 @@
 
 GPT-3 (the ModelConfig defaults): learned positions, pre-LayerNorm, GELU MLP of width
 4 x d_model, causal multi-head attention with one fused QKV kernel, biases everywhere.
-Llama 3 (model/config.py LLAMA3_ARCHITECTURE): RMSNorm, rotary positions (model/rope.py),
+Llama 3 (model/presets.py LLAMA3_ARCHITECTURE): RMSNorm, rotary positions (model/rope.py),
 SwiGLU MLP (gate and up one [D, 2, F] kernel, as Megatron-Core's fused linear_fc1, then
 down), grouped-query attention with separate Q [D, H, K] and KV [D, 2, G, K] kernels, no
 biases. The layers are one stacked set of parameters (leading axis `layers`, or `stage`

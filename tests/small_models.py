@@ -7,7 +7,7 @@ import dataclasses
 import jax
 
 from experiments import ExperimentConfig
-from model.config import preset
+from model.presets import preset
 from parallelism import mesh as mesh_lib
 from train import step as train_step
 

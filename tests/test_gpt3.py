@@ -9,9 +9,9 @@ import textwrap
 import jax
 from flax import nnx
 
-from model.config import preset
 from model.flops import param_count
 from model.gpt import GPT
+from model.presets import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +32,7 @@ def test_175b_step_compiles_on_a_64_device_mesh():
       import dataclasses
       import platform_env
       platform_env.configure(host_devices=64)
-      from model.config import preset
+      from model.presets import preset
       from parallelism.mesh import MeshConfig, build_mesh, plan
       from train import step
       from train.config import TrainConfig

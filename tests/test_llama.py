@@ -15,8 +15,9 @@ import experiments
 from errors import UserInputError
 from experiments import overrides
 from model import flops, rope
-from model.config import ModelConfig, preset
+from model.config import ModelConfig
 from model.gpt import GPT, GROUPED_QUERY_KERNELS, kernels
+from model.presets import preset
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from projection import hlo
 from train import data

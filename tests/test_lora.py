@@ -22,8 +22,8 @@ import experiments
 from errors import UserInputError
 from experiments import overrides
 from hardware import catalog
-from model import config as model_config
 from model import flops, gpt, lora
+from model import presets as model_presets
 from modes import options as options_lib
 from parallelism import mesh as mesh_lib
 from projection import aot_compile, hlo, search, targets
@@ -279,7 +279,7 @@ def test_hlo_matmul_flops_equal_the_lora_formula(targets, remat):
 
 
 def test_llama2_70b_parameters_from_abstract_shapes():
-  cfg = model_config.preset("llama2-70b")
+  cfg = model_presets.preset("llama2-70b")
   adapters = lora.LoraConfig(rank=16, alpha=32, targets="qkv_kernel,out_kernel")
   abstract = nnx.eval_shape(lambda: gpt.GPT(cfg, nnx.Rngs(0), adapters=adapters))
   params = nnx.state(abstract, nnx.Param)

@@ -19,7 +19,7 @@ from experiments import mlperf_llama31_405b as mlperf
 from experiments._time_to_train import RcpNormalizedTimeToTrain
 from hardware import catalog
 from model import flops
-from model.config import preset
+from model.presets import preset
 from parallelism import pipeline
 from projection import aot_compile, hlo, targets
 from projection.plan import plan as plan_target

@@ -19,8 +19,9 @@ import experiments
 from errors import UserInputError
 from experiments import overrides
 from model import flops, moe
-from model.config import ModelConfig, preset
+from model.config import ModelConfig
 from model.gpt import GPT
+from model.presets import preset
 from parallelism import pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from projection import hlo, targets
