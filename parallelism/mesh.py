@@ -35,6 +35,16 @@ AXES = ("data", "fsdp", "expert", "context", "tensor", "pipeline")
 # all-to-alls (every routed layer, forward and backward, on the critical path) go next to
 # context, inside fsdp: Megatron-Core's "tp-cp-ep-dp-pp".
 _INNER_FIRST = ("tensor", "context", "expert", "fsdp", "data", "pipeline")
+# How devices are numbered over the mesh, slowest-varying axis first, node after node (the
+# axes' InfiniBand parts) and inside a node (their NVLink parts): data outermost, so that
+# a model replica (every axis but data) holds consecutive nodes (projection/layout.py's
+# rack alignment), and inside a replica the axes innermost-first as _INNER_FIRST places
+# them on NVLink, pipeline outermost. It decides which nodes share an NVLink domain that
+# spans nodes (an NVL72 rack of 18 trays of 4): numbered in AXES order, pipeline was the
+# fastest-varying node axis, and a rack of 16 trays held the 4 pipeline stages of a
+# quarter of an expert group of 32 x tensor 2 (DeepSeek-V3 on 512 GB200) instead of the
+# whole group, putting every expert all-to-all across four racks over InfiniBand.
+NUMBERING = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,27 +163,36 @@ def plan(cfg: MeshConfig, num_devices: int) -> MeshLayout:
 def device_grid(layout: MeshLayout, devices: Sequence) -> np.ndarray:
   """Arrange devices, node after node, into the mesh's shape.
 
-  devices are ordered node-major: devices[n * per_node + i] is device i of node n.
+  devices are ordered node-major: devices[n * per_node + i] is device i of node n; nodes
+  and the devices inside a node are numbered in NUMBERING order (slowest axis first).
   Mesh coordinate along an axis = infiniband_index * nvlink_size + nvlink_index,
   the same convention as `create_hybrid_device_mesh`.
   """
-  outer = [layout.infiniband[a] for a in AXES]
-  inner = [layout.nvlink[a] for a in AXES]
-  grid = np.asarray(devices, dtype=object).reshape(outer + inner)  # [o_d, o_f, ..., i_d, i_f, ...]
+  outer = [layout.infiniband[a] for a in NUMBERING]
+  inner = [layout.nvlink[a] for a in NUMBERING]
+  grid = np.asarray(devices, dtype=object).reshape(outer + inner)  # [o_d, o_p, ..., i_d, i_p, ...]
   n = len(AXES)
-  interleaved = [i for axis in range(n) for i in (axis, axis + n)]
+  # Back to AXES order, each axis's InfiniBand part before its NVLink part.
+  interleaved = [i for a in AXES for i in (NUMBERING.index(a), NUMBERING.index(a) + n)]
   return grid.transpose(interleaved).reshape([layout.sizes[a] for a in AXES])
+
+
+def process_grid(layout: MeshLayout, devices: Sequence) -> np.ndarray:
+  """As device_grid on a multi-process run, each process a node (`create_hybrid_device_mesh`,
+  which numbers its granules in the order of the shapes given: NUMBERING's)."""
+  grid = mesh_utils.create_hybrid_device_mesh(
+    [layout.nvlink[a] for a in NUMBERING],
+    [layout.infiniband[a] for a in NUMBERING],
+    devices,
+    process_is_granule=True,
+  )
+  return grid.transpose([NUMBERING.index(a) for a in AXES])
 
 
 def build_mesh(layout: MeshLayout, devices: Sequence | None = None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices()[: layout.devices])
   if jax.process_count() > 1:
-    grid = mesh_utils.create_hybrid_device_mesh(
-      [layout.nvlink[a] for a in AXES],
-      [layout.infiniband[a] for a in AXES],
-      devices,
-      process_is_granule=True,
-    )
+    grid = process_grid(layout, devices)
   else:
     grid = device_grid(layout, devices)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from errors import UserInputError
-from parallelism.mesh import AXES, MeshConfig, MeshLayout, plan
+from parallelism.mesh import AXES, NUMBERING, MeshConfig, MeshLayout, plan
 from projection.hlo_text import Groups
 from train.config import TrainConfig
 
@@ -134,9 +134,12 @@ def reduce(target: MeshLayout, train_cfg: TrainConfig) -> ReducedMesh:
 
 
 def _device_index(coords: np.ndarray, layout: MeshLayout) -> np.ndarray:
-  """Node-major device numbers of mesh coordinates [..., len(AXES)] on `layout`."""
-  nv = np.array([layout.nvlink[a] for a in AXES])
-  ib = np.array([layout.infiniband[a] for a in AXES])
+  """Node-major device numbers of mesh coordinates [..., len(AXES)] on `layout`, nodes and
+  the devices inside one numbered in NUMBERING order (`parallelism.mesh.device_grid`)."""
+  order = [AXES.index(a) for a in NUMBERING]
+  coords = coords[..., order]
+  nv = np.array([layout.nvlink[a] for a in NUMBERING])
+  ib = np.array([layout.infiniband[a] for a in NUMBERING])
   node = np.ravel_multi_index(tuple(np.moveaxis(coords // nv, -1, 0)), ib)
   local = np.ravel_multi_index(tuple(np.moveaxis(coords % nv, -1, 0)), nv)
   return node * layout.devices_per_node + local
