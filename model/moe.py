@@ -125,7 +125,7 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   as a stable sort, which the partitioner splits along every other axis. jax.lax.top_k
   reaches XLA as a TopK of rank 2 whose rows merge the batch dimensions, and under the
   1F1B ranks' vmap the partitioner gathers it whole across the data, expert and pipeline
-  ranks: DeepSeek-V3 on 512 GB200 gathered two 1 GiB arrays of scores over 256 GPUs in
+  ranks: DeepSeek-V3 on 512 GB200 would gather two 1 GiB arrays of scores over 256 GPUs in
   every routed layer's forward and its recompute (15,408 all-gathers, 24.8 s of a step)."""
   index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
   values, indices = jax.lax.sort((-x, index), dimension=x.ndim - 1, is_stable=True, num_keys=1)

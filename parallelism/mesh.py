@@ -40,8 +40,8 @@ _INNER_FIRST = ("tensor", "context", "expert", "fsdp", "data", "pipeline")
 # a model replica (every axis but data) holds consecutive nodes (projection/layout.py's
 # rack alignment), and inside a replica the axes innermost-first as _INNER_FIRST places
 # them on NVLink, pipeline outermost. It decides which nodes share an NVLink domain that
-# spans nodes (an NVL72 rack of 18 trays of 4): numbered in AXES order, pipeline was the
-# fastest-varying node axis, and a rack of 16 trays held the 4 pipeline stages of a
+# spans nodes (an NVL72 rack of 18 trays of 4): in AXES order pipeline would be the
+# fastest-varying node axis, and a rack of 16 trays would hold the 4 pipeline stages of a
 # quarter of an expert group of 32 x tensor 2 (DeepSeek-V3 on 512 GB200) instead of the
 # whole group, putting every expert all-to-all across four racks over InfiniBand.
 NUMBERING = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
