@@ -13,7 +13,8 @@
   --benchmark=deepseek (DeepSeek-V3 671B, experiments/mlperf_deepseek_v3_671b.py):
     1. Calibration: 512 GB200 (NVIDIA tyche-hsg, 27.61 min) and 8,192 GB300 (CoreWeave,
        2.02 min), each in its published layout (reference/mlperf_deepseek_v3_671b.py).
-    2. Generations: GB200 and GB300 at 512 GPUs in the published GB200 layout.
+    2. Generations: H100, H200, B200 (8-GPU NVLink domains) and GB200, GB300 (NVL72 racks)
+       at 512 GPUs in the published GB200 layout.
 
   python benchmarks/mlperf.py --benchmark=gpt3
   python benchmarks/mlperf.py --benchmark=llama --skip_generations
@@ -110,19 +111,21 @@ BENCHMARKS = {
       (name, run.hardware, run.gpus, run.score_min, mlperf_deepseek_v3_671b.published.ROUND)
       for name, run in mlperf_deepseek_v3_671b.PUBLISHED.items()
     ),
-    # The generations MLPerf has DeepSeek-V3 results on (NVL72 racks).
-    ("gb200", "gb300"),
+    # The published 512-GB200 layout on every generation: on HGX its expert group of 32 x
+    # tensor 2 spans 8 nodes (the all-to-alls over InfiniBand), on NVL72 one rack.
+    ("h100", "h200", "b200", "gb200", "gb300"),
     "gb200_512",
   ),
 }
 GENERATIONS_GPUS = 512
-# The docs each generated table is written into (report/doc_blocks.py markers); a table
-# not listed (DeepSeek-V3's) is printed only.
+# The docs each generated table is written into (report/doc_blocks.py markers).
 DOCS = {
   ("gpt3", "calibration"): ("README.md", "docs/validation.md"),
   ("gpt3", "generations"): ("docs/validation.md", "docs/results.md"),
   ("llama", "calibration"): ("docs/llama.md", "docs/results.md"),
   ("llama", "generations"): ("docs/llama.md",),
+  ("deepseek", "calibration"): ("docs/moe.md",),
+  ("deepseek", "generations"): ("docs/moe.md",),
 }
 
 
