@@ -1,5 +1,13 @@
 """Causal softmax attention for the decoder (model/gpt.py): XLA's as written, or cuDNN's
-fused flash attention on NVIDIA targets; grouped-query heads without copies of K and V."""
+fused flash attention on NVIDIA targets; grouped-query heads without copies of K and V.
+
+Latent attention's values are narrower than its keys (model/mla.py: 192 query-key dims,
+128 value dims for DeepSeek-V3). jax.nn.dot_product_attention takes values shaped like the
+keys, and JAX's own entry for cuDNN's narrower values cannot be vmapped (its batching rule
+reshapes the values and the output to the keys' and queries' head dims), which the 1F1B
+ranks' vmap needs: the values are zero-padded to the keys' width and the output's padding
+dropped. The kernel computes P.V and its gradients over the padded width, and the HLO is
+costed as it runs (projection/hlo.py)."""
 
 import math
 
@@ -15,6 +23,10 @@ def attention(
   latent attention (model/mla.py); kind as ModelConfig.attention.
   mask [T, S] (True: attend; context parallelism's, by true positions), else causal by
   index (S = T)."""
+  if kind == "cudnn" and v.shape[-1] != k.shape[-1]:
+    pad = k.shape[-1] - v.shape[-1]
+    wide = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad)))
+    return attention(q, k, wide, kind, mask)[..., : v.shape[-1]]
   if kind == "cudnn":
     if mask is None:
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")

@@ -289,11 +289,6 @@ class ModelConfig:
         "sequence parallelism: set model.fp8=false, model.block_scaling=none and "
         "model.sequence_parallel=false"
       )
-    if self.attention != "xla":
-      raise UserInputError(
-        "model.kv_lora_rank > 0 (latent attention) needs model.attention=xla (its values "
-        "are narrower than its keys)"
-      )
 
   def _validate_moe(self) -> None:
     for field in (

@@ -154,7 +154,7 @@ def matmul_flops_per_step(
     backward  twice the forward: an input and a weight (or second operand) gradient
               for every matmul, the first layer's included (the embeddings train);
               cuDNN's attention backward runs five matmuls, not four (it recomputes
-              Q.K^T): 5 * L * A * H * K
+              Q.K^T): 5 * L * A * H * K, latent attention's values padded to K
     remat     "none": nothing more with XLA's attention. "save_dots": the attention
               matmuls (Q.K^T and probs.V have batch dimensions, so the policy does not
               save them) are recomputed, + 4 * L * A * H * K. "elementwise": Q.K^T
@@ -201,8 +201,10 @@ def _step_matmul_flops(
   L, D, H, F, T = cfg.num_layers, cfg.d_model, cfg.num_heads, _ffn(cfg), cfg.seq_len
   A = attended_keys(cfg, context_ranks)
   # One layer's attention matmuls, forward, a token (4 A H K but with latent attention).
-  scores = 2 * A * H * (cfg.qk_head_dim + cfg.value_head_dim)
   cudnn = cfg.attention == "cudnn"
+  # cuDNN's kernel runs latent attention's values padded to the keys' width
+  # (model/attention.py).
+  scores = 2 * A * H * (cfg.qk_head_dim + (cfg.qk_head_dim if cudnn else cfg.value_head_dim))
   backward_scores = scores * (5 / 2 if cudnn else 2)
   weights = layer_matmul_param_count(cfg, routed_experts)
   layer_forward = 2 * weights + scores

@@ -305,11 +305,18 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       # fifth to each rank's work), then gathered over `pipeline` for rank 0 (the
       # gradients reduce-scattered back). Recomputed for the backward: kept, the 3 layers'
       # activations of M / P micro-batches would live through the whole pipeline.
-      tokens = micro["inputs"].reshape(stages, -1, *micro["inputs"].shape[1:])
+      # A rank's M / P micro-batches run as one batch, each device's rows first (mb
+      # major): vmapped over the micro-batches instead, cuDNN attention's batching rule
+      # merges the micro-batch axis into the batch axis with the sharded rows minor, which
+      # the partitioner can only lay out by all-gathering them over `expert` (193 GB at
+      # 512 GB200, 30 times a step).
+      tokens = micro["inputs"].reshape(stages, -1, *micro["inputs"].shape[1:])  # [P, M/P, mb, T]
+      P, m, mb, T = tokens.shape
+      rows = tokens.swapaxes(1, 2).reshape(P, mb * m, T)
       one = jax.checkpoint(lambda tokens: pieces.prefix(params, pieces.embed(params, tokens)))
       with rules.vmapped(axis):
-        x = jax.vmap(jax.vmap(one), spmd_axis_name=axis)(pipeline.pin(tokens))
-      x = x.reshape(-1, *x.shape[2:])  # [M, mb, T, D]
+        x = jax.vmap(one, spmd_axis_name=axis)(pipeline.pin(rows))  # [P, mb M/P, T, D]
+      x = x.reshape(P, mb, m, *x.shape[2:]).swapaxes(1, 2).reshape(-1, mb, *x.shape[2:])
       return pipeline.pin(jnp.broadcast_to(x, (stages, *x.shape)))
 
     (x, stack), front_vjp = jax.vjp(front, params)

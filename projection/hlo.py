@@ -173,15 +173,21 @@ class _Analyzer:
 
   @staticmethod
   def _fused_attention_flops(ins: Instr, comp: Computation) -> tuple[float, float]:
-    """cuDNN flash attention: the forward runs two matmuls over the [B, H, Tq, Tk] scores
-    (Q.K^T and P.V, 2 x 2 x scores x K FLOPs), the backward five (Q.K^T again, then dV,
-    dP, dQ, dK); a causal mask skips the upper triangle's blocks, half the work."""
+    """cuDNN flash attention: the forward runs two matmuls over the [B, H, Tq, Tk] scores,
+    Q.K^T over the query-key head dims and P.V over the value head dims (2 x scores x
+    (K_qk + K_v) FLOPs); the backward five: Q.K^T again, dQ and dK over K_qk, dP = dO.V^T
+    and dV over K_v (2 x scores x (3 K_qk + 2 K_v)). The two are equal but with latent
+    attention, whose values are narrower (model/attention.py). A causal mask skips the
+    upper triangle's blocks, half the work."""
     config = backend_json(ins.attrs["backend_config"])["cudnn_fmha_backend_config"]
     scores = math.prod(int(d) for d in config["intermediate_tensor_shape"]["dimensions"])
-    head_dim = arrays(comp.by_name[ins.operands[0]].shape)[0][1][-1]
-    matmuls = 5 if "Backward" in ins.attrs.get("custom_call_target", "") else 2
+    # Operands: q, k, v first, forward and backward alike.
+    qk_dim = arrays(comp.by_name[ins.operands[0]].shape)[0][1][-1]
+    v_dim = arrays(comp.by_name[ins.operands[2]].shape)[0][1][-1]
+    backward = "Backward" in ins.attrs.get("custom_call_target", "")
+    head_dims = 3 * qk_dim + 2 * v_dim if backward else qk_dim + v_dim
     causal = 0.5 if config.get("mask_type") == "CAUSAL" else 1.0
-    f = matmuls * 2.0 * scores * head_dim * causal
+    f = 2.0 * scores * head_dims * causal
     return f, f
 
   def dot_dtype(self, ins: Instr, comp: Computation) -> str:

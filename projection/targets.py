@@ -79,19 +79,29 @@ def target_devices(hardware: str, nodes: int, gpus_per_node: int) -> list:
 @contextlib.contextmanager
 def cudnn_version_of(hardware: str) -> Iterator[None]:
   """While active, tracing cuDNN attention (jax.nn.dot_product_attention(implementation=
-  "cudnn")) sees the target config's cuDNN version instead of asking the cuDNN library,
-  which a deviceless compile does not have; XLA then compiles the fused attention for the
-  target (checked: H100, forward and backward custom-calls). JAX offers no public hook, so
-  this swaps its private version check and puts it back."""
+  "cudnn"), and latent attention's narrower values through the same kernel, model/attention.py)
+  sees the target config's cuDNN version and compute capability instead of asking the cuDNN
+  library and the backend's GPUs, which a deviceless compile does not have; XLA then
+  compiles the fused attention for the target (checked: H100, forward and backward
+  custom-calls; GB200 with 192-dim keys and 128-dim values). JAX offers no public hook, so
+  this swaps its private checks and puts them back."""
   from jax._src.cudnn import fused_attention_stablehlo as fused  # deferred, as above
 
-  m = re.search(r"dnn_version_info\s*{\s*major:\s*(\d+)\s*minor:\s*(\d+)", target_config(hardware))
+  config = target_config(hardware)
+  m = re.search(r"dnn_version_info\s*{\s*major:\s*(\d+)\s*minor:\s*(\d+)", config)
   if m is None:
     raise ValueError(f"{hardware}: the target config has no dnn_version_info")
   version = int(m.group(1)) * 10000 + int(m.group(2)) * 100  # cuDNN 9's encoding
-  saved = fused.check_cudnn_version
+  # A text proto leaves out a zero field: H100's is "major: 9" alone.
+  c = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?", config)
+  if c is None:
+    raise ValueError(f"{hardware}: the target config has no cuda_compute_capability")
+  capability = (int(c.group(1)), int(c.group(2) or 0))
+  saved = fused.check_cudnn_version, fused.check_compute_capability
   fused.check_cudnn_version = lambda: version
+  # "at least": head dims over 128 and latent attention need Hopper or later.
+  fused.check_compute_capability = lambda at: capability >= tuple(map(int, at.split(".")))
   try:
     yield
   finally:
-    fused.check_cudnn_version = saved
+    fused.check_cudnn_version, fused.check_compute_capability = saved

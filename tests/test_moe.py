@@ -20,6 +20,7 @@ import experiments
 from errors import UserInputError
 from experiments import overrides
 from model import flops, moe
+from model.attention import attention
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.presets import preset
@@ -253,6 +254,42 @@ def test_matmul_flops_formula_counts_the_compiled_moe_step():
 
 
 @pytest.mark.skipif(not targets.cuda_available()[0], reason="no deviceless CUDA target")
+def test_latent_attention_runs_through_cudnn():
+  """moe-tiny (16 query-key dims a head, 8 value dims) with model.attention=cudnn, compiled
+  deviceless for one GB200: every layer's attention is cuDNN's fused causal kernel,
+  forward and backward, its values padded to the keys' 16 dims and counted so, and no op
+  writes a [B, H, T, T] score tensor to HBM. Vmapped, as the 1F1B ranks run it, the
+  attention's gradient traces too."""
+  model = dataclasses.replace(MODEL, attention="cudnn", compute_dtype="bfloat16", seq_len=512)
+  model.validate()
+  mesh = build_mesh(plan(MeshConfig(data=1), 1), targets.target_devices("gb200", 1, 1))
+  step = train_step.build(model, TrainConfig(global_batch=2), mesh)
+  with targets.cudnn_version_of("gb200"):
+    program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
+  B, H, T, L = 2, model.num_heads, model.seq_len, model.num_layers
+  qk, v = model.qk_head_dim, model.value_head_dim
+  assert (qk, v) == (16, 8)
+  half = B * H * T * T / 2  # the causal kernel's score blocks
+  runs = {"__cudnn$fmhaSoftmax": 0, "__cudnn$fmhaSoftmaxBackward": 0}
+  for n, m in hlo.walk(program):
+    if isinstance(n, hlo.Compute) and n.kind in runs:
+      runs[n.kind] += m
+      assert n.dot_flops == 2 * half * qk * (5 if n.kind.endswith("Backward") else 2)
+    if isinstance(n, hlo.Compute):
+      assert n.bytes_written < B * H * T * T * 2  # bf16 scores
+  assert runs["__cudnn$fmhaSoftmaxBackward"] == L
+  assert runs["__cudnn$fmhaSoftmax"] >= L
+
+  def loss(q, k, v):
+    return jnp.square(attention(q, k, v, "cudnn").astype(jnp.float32)).sum()
+
+  x = lambda d: jax.ShapeDtypeStruct((3, B, T, H, d), jnp.bfloat16)
+  with targets.cudnn_version_of("gb200"):
+    grads = jax.eval_shape(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))), x(qk), x(qk), x(v))
+  assert [g.shape[-1] for g in grads] == [qk, qk, v]
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="no deviceless CUDA target")
 def test_expert_all_to_all_is_costed_on_nvlink_or_infiniband():
   """moe-tiny with 16 experts over EP 16, projected (deviceless CUDA compile): on 16 H100
   (two 8-GPU nodes) the expert group crosses InfiniBand, on 16 GB200 it sits in one NVL72
@@ -430,3 +467,22 @@ def test_top_k_is_lax_top_k():
   for k in (1, 2, 8):
     for a, b in zip(moe.top_k(x, k), jax.lax.top_k(x, k), strict=True):
       np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="no deviceless CUDA target")
+def test_pipelined_cudnn_attention_is_not_gathered():
+  """The dense layers before the pipeline with cuDNN attention, EP 2 x PP 2 on 4 GB200
+  (deviceless): vmapped over the micro-batches, cuDNN's batching rule would merge them into
+  the batch with the sharded rows minor and the partitioner would all-gather q, k and v
+  over `expert` (DeepSeek-V3 at 512 GB200: 193 GB, 30 a step); run as one batch, no
+  head-shaped array is gathered."""
+  model = dataclasses.replace(MODEL, attention="cudnn", compute_dtype="bfloat16", seq_len=128)
+  train = dataclasses.replace(TRAIN, micro_batch=1, pipeline_schedule="1f1b")
+  mesh_cfg = MeshConfig(data=1, expert=2, pipeline=2, devices_per_node=4)
+  mesh = build_mesh(plan(mesh_cfg, 4), targets.target_devices("gb200", 1, 4))
+  program = train_step.build(model, train, mesh)
+  with targets.cudnn_version_of("gb200"):
+    text = program.lower(train.global_batch, model.seq_len).compile().as_text()
+  heads = f",{model.num_heads},{model.qk_head_dim}]"  # [..., H, K_qk]: q, k, padded v
+  gathers = [line for line in text.splitlines() if re.search(r"all-gather(-start)?\(", line)]
+  assert gathers and not [line for line in gathers if heads in line]
