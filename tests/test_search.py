@@ -15,7 +15,7 @@ import pytest
 
 import experiments
 from errors import UserInputError
-from experiments import ExperimentConfig
+from experiments import ExperimentConfig, overrides
 from hardware import catalog
 from model.config import REMAT_POLICIES
 from parallelism.mesh import MeshConfig
@@ -242,6 +242,7 @@ def test_a_moe_search_records_its_expert_parallelism(moe_exp, moe_ranking, small
     s = record["search"]
     assert f"expert_parallel={s['expert_parallel']}" in s["set"]
     assert f" EP{s['expert_parallel']} " in printers.configuration_text(record)
+    assert overrides.apply(moe_exp, s["set"]).mesh.expert == s["expert_parallel"]
   table = printers.search_table(moe_exp, found, 1.0, 2)
   assert next(line for line in table.splitlines() if line.startswith("TP")).split()[:2] == [
     "TP",
