@@ -12,7 +12,7 @@ Shortcuts for the parallelism of a projection, each setting the real field(s):
   global_batch=N       train.global_batch
   precision=bf16|fp8|mxfp8|nvfp4             model.fp8 and model.block_scaling
   remat=POLICY         model.remat (none, full, save_dots)
-  context_parallel=N   mesh.context
+  context_parallel=N   mesh.context         expert_parallel=N    mesh.expert
 """
 
 import dataclasses
@@ -63,6 +63,7 @@ def _replace(cfg: Any, path: list[str], text: str, full_key: str) -> Any:
 _POSITIVE = {
   "tensor_parallel": "mesh.tensor",
   "context_parallel": "mesh.context",
+  "expert_parallel": "mesh.expert",
   "pipeline_parallel": "mesh.pipeline",
   "virtual_stages": "train.virtual_stages",
   "micro_batch": "train.micro_batch",

@@ -74,6 +74,12 @@ def param_count(cfg: ModelConfig) -> int:
   return sum(s.num_layers * _layer_param_count(s) for s in _stacks(cfg)) + embeddings + norm
 
 
+def routed_expert_param_count(cfg: ModelConfig) -> int:
+  """The routed experts' weights, all E of every routed layer (3 * D * Fe each): the part
+  of param_count split over mesh.expert (model/moe.py); 0 for a dense model."""
+  return cfg.moe_layers * cfg.num_experts * 3 * cfg.d_model * cfg.expert_ffn_dim
+
+
 def _layer_param_count(cfg: ModelConfig) -> int:
   D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, _ffn(cfg)
   qkv_heads = H + 2 * cfg.kv_heads

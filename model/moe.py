@@ -106,8 +106,8 @@ def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int], schedule: str = "1f
     )
   if mesh_shape.get("pipeline", 1) > 1 and schedule != "1f1b":
     raise UserInputError(
-      f"mesh.pipeline = {mesh_shape['pipeline']} with train.pipeline_schedule = "
-      f"{schedule}: mixtures of experts pipeline with the 1f1b schedule only; set "
+      f"train.pipeline_schedule = {schedule} with mesh.pipeline = {mesh_shape['pipeline']}: "
+      "mixtures of experts pipeline with the 1f1b schedule only; set "
       "train.pipeline_schedule=1f1b"
     )
 

@@ -2,24 +2,29 @@
 
 For one experiment on N GPUs of one generation:
 
-1. Enumerate every (tensor parallel, context parallel, pipeline parallel, virtual stages,
-   micro-batch, remat, pipeline schedule) in the space: tensor parallel over the divisors
-   of the NVLink domain (8 on HGX, 72 on NVL72), context parallel over CONTEXT_PARALLEL
-   for sequences of CONTEXT_MIN_SEQ_LEN tokens and more, pipeline and virtual stages over
-   the divisors of the layer count and of it + 2 (an uneven split, the embedding and the
-   loss counted as layers; virtual stages and schedules only with a pipeline),
-   micro-batches over the divisors of the global batch, every remat policy, and as
-   schedule 1f1b or the lockstep one (gpipe, interleaved) in each of PIPELINE_PASSES
-   passes. Data parallelism takes the rest of the GPUs; fsdp, the global batch and
-   everything else stay as the experiment has them.
+1. Enumerate every (tensor parallel, expert parallel, context parallel, pipeline
+   parallel, virtual stages, micro-batch, remat, pipeline schedule) in the space: tensor
+   parallel over the divisors of the NVLink domain (8 on HGX, 72 on NVL72), expert
+   parallel for a mixture of experts over the divisors of model.num_experts up to the
+   NVLink domain (all of them with mesh.allow_expert_beyond_nvlink; a dense model keeps
+   its mesh.expert), context parallel over CONTEXT_PARALLEL for sequences of
+   CONTEXT_MIN_SEQ_LEN tokens and more, pipeline and virtual stages over the divisors of
+   the pipelined layer count (a mixture of experts' routed layers) and of it + 2 (an
+   uneven split, the embedding and the loss counted as layers; virtual stages and
+   schedules only with a pipeline), micro-batches over the divisors of the global batch,
+   every remat policy, and as schedule 1f1b or the lockstep one (gpipe, interleaved) in
+   each of PIPELINE_PASSES passes. Data parallelism takes the rest of the GPUs; fsdp, the
+   global batch and everything else stay as the experiment has them.
 2. Prune what the shapes cannot take, with the checks a projection itself runs, so a
    candidate that survives would compile: `plan.plan` (the mesh on the cluster, the
-   NVLink domain, the batch over the replicas), `pipeline.check` (layers over stages,
-   micro-batches per pass for interleaving, in groups of the stages for 1f1b; FP8 delayed
-   scaling only under 1f1b), and `train_step.build` on an abstract mesh (heads, MLP width
-   and vocabulary over tensor, sequence parallelism). The reason recorded is the field
-   the first failing check names. A candidate whose parameters and optimizer state alone
-   (exact, from their shardings) exceed the GPU's HBM is pruned too.
+   NVLink domain for tensor and for an expert group x context x tensor, the batch over
+   the replicas), `moe.check_mesh` (the experts over expert; a mixture of experts
+   pipelines under 1f1b only and runs without context parallelism), `pipeline.check`
+   (layers over stages, micro-batches per pass for interleaving, in groups of the stages
+   for 1f1b; FP8 delayed scaling only under 1f1b), and `train_step.build` on an abstract
+   mesh (heads, MLP width and vocabulary over tensor, sequence parallelism). The reason
+   recorded is the field the first failing check names. A candidate whose parameters and
+   optimizer state alone (exact, from their shardings) exceed the GPU's HBM is pruned too.
 3. Order the rest by a cheap analytic prior (`Prior`): first those estimated to fit,
    then by estimated step time.
 4. Project candidates in that order (projection/project.py's `project`, as `how` says;
@@ -36,15 +41,22 @@ import re
 from collections.abc import Callable, Iterator
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from errors import UserInputError
 from hardware.catalog import Hardware
+from model import moe
 from model.config import REMAT_POLICIES
-from model.flops import lora_adapter_param_count, lora_train_flops_per_token, param_count
+from model.flops import (
+  lora_adapter_param_count,
+  lora_train_flops_per_token,
+  param_count,
+  routed_expert_param_count,
+)
 from parallelism import gradients, one_f_one_b, pipeline, sharding
 from parallelism.mesh import AXES
-from projection import aot_compile, layout, project
+from projection import aot_compile, collectives, layout, project
 from projection.plan import Target, check_gpus, plan
 from records.points import ProjectedPoint, SearchChoice
 from train import step as train_step
@@ -74,6 +86,10 @@ class Candidate:
   pipeline_passes: int = 1
   one_f_one_b: bool = False
   context_parallel: int = 1
+  # mesh.expert: searched for a mixture of experts (`moe`), where the assignments and
+  # `apply` set it even at 1; 1 and left as the experiment has it for a dense model.
+  expert_parallel: int = 1
+  moe: bool = False
 
   @property
   def schedule(self) -> str:
@@ -83,16 +99,19 @@ class Candidate:
 
   def describe(self) -> str:
     context = f"CP {self.context_parallel}, " if self.context_parallel > 1 else ""
+    expert = f"EP {self.expert_parallel}, " if self.moe else ""
     return (
-      f"TP {self.tensor_parallel}, {context}PP {self.pipeline_parallel}, "
+      f"TP {self.tensor_parallel}, {expert}{context}PP {self.pipeline_parallel}, "
       f"VS {self.virtual_stages}, micro-batch {self.micro_batch}, "
       f"{self.schedule} in {self.pipeline_passes} pass(es), remat {self.remat}"
     )
 
   def assignments(self) -> tuple[str, ...]:
     """The `--set` overrides that select this configuration (experiments/overrides.py)."""
+    expert = (f"expert_parallel={self.expert_parallel}",) if self.moe else ()
     return (
       f"tensor_parallel={self.tensor_parallel}",
+      *expert,
       f"context_parallel={self.context_parallel}",
       f"pipeline_parallel={self.pipeline_parallel}",
       f"virtual_stages={self.virtual_stages}",
@@ -113,6 +132,8 @@ class Candidate:
       context=self.context_parallel,
       pipeline=self.pipeline_parallel,
     )
+    if self.moe:
+      mesh = dataclasses.replace(mesh, expert=self.expert_parallel)
     train = dataclasses.replace(
       exp.train,
       micro_batch=self.micro_batch,
@@ -145,6 +166,13 @@ class Prior:
   context, over the NICs. Context ranks split the tokens, and so the activations. With
   LoRA (`exp.lora`): the state is the frozen weights, adapters and their moments; the
   FLOPs are LoRA's, the weights read as stored, and the gradients the adapters' alone.
+
+  A mixture of experts: expert ranks split the batch like data ranks; the routed
+  experts' weights (and so their reads and gradients) split over expert, their gradients
+  reduced over data alone, the rest over data x expert; and each routed layer's
+  all-to-alls (`expert_all_to_all_s`, `expert_s`) priced by projection/collectives.py
+  on the NVLink domains the expert groups span, so that a group inside one domain costs
+  less than one across domains. The capacity buffers' activations are not counted.
   """
 
   state_gb: float
@@ -152,6 +180,7 @@ class Prior:
   activations_gb: float
   step_s: float
   bubble_fraction: float
+  expert_s: float = 0.0  # of step_s: the expert all-to-alls (`expert_all_to_all_s`)
 
   @property
   def memory_gb(self) -> float:
@@ -187,6 +216,8 @@ def candidate_of(exp) -> Candidate:
     exp.train.pipeline_passes if stages > 1 and not one_f_one_b else 1,
     one_f_one_b=one_f_one_b,
     context_parallel=exp.mesh.context,
+    expert_parallel=exp.mesh.expert if exp.model.moe else 1,
+    moe=exp.model.moe,
   )
 
 
@@ -204,6 +235,26 @@ def context_sizes(exp) -> list[int]:
   return [cp for cp in CONTEXT_PARALLEL if exp.model.seq_len % (2 * cp) == 0]
 
 
+def expert_sizes(exp, hw: Hardware) -> list[int]:
+  """The expert-parallel sizes searched: for a mixture of experts, the divisors of
+  model.num_experts up to the NVLink domain (every divisor with
+  mesh.allow_expert_beyond_nvlink); 1 alone for a dense model. What else refuses a size
+  (an expert group x context x tensor that does not fit in the domain, parallelism/mesh.py
+  plan; more ranks than GPUs) prunes it like any other candidate."""
+  if not exp.model.moe:
+    return [1]
+  sizes = _divisors(exp.model.num_experts)
+  if exp.mesh.allow_expert_beyond_nvlink:
+    return sizes
+  return [e for e in sizes if e <= hw.nvlink_domain_size]
+
+
+def pipelined_layers(model) -> int:
+  """The layers the pipeline stages split: a mixture of experts' routed ones (its dense
+  first layers run outside the pipeline, train/step.py), else every layer."""
+  return model.moe_layers or model.num_layers
+
+
 def _stage_counts(layers: int) -> list[int]:
   """Pipeline stages and virtual stages tried: the divisors of the layer count and, for an
   uneven split (the embedding and the loss counted as layers, pipeline.split), of it + 2."""
@@ -212,17 +263,20 @@ def _stage_counts(layers: int) -> list[int]:
 
 def enumerate_space(exp, hw: Hardware) -> Iterator[Candidate]:
   """Every candidate of the space (module docstring, step 1), before any check."""
-  stage_counts = _stage_counts(exp.model.num_layers)
+  stage_counts = _stage_counts(pipelined_layers(exp.model))
+  routed = exp.model.moe
   for tp in _divisors(hw.nvlink_domain_size):
-    for cp in context_sizes(exp):
-      for pp in stage_counts:
-        for vs in stage_counts if pp > 1 else [1]:
-          for mb in _divisors(exp.train.global_batch):
-            for remat in REMAT_POLICIES:
-              for passes in PIPELINE_PASSES if pp > 1 else (1,):
-                yield Candidate(tp, pp, vs, mb, remat, passes, context_parallel=cp)
-              if pp > 1:
-                yield Candidate(tp, pp, vs, mb, remat, 1, one_f_one_b=True, context_parallel=cp)
+    for ep in expert_sizes(exp, hw):
+      for cp in context_sizes(exp):
+        for pp in stage_counts:
+          for vs in stage_counts if pp > 1 else [1]:
+            for mb in _divisors(exp.train.global_batch):
+              for remat in REMAT_POLICIES:
+                axes = dict(context_parallel=cp, expert_parallel=ep, moe=routed)
+                for passes in PIPELINE_PASSES if pp > 1 else (1,):
+                  yield Candidate(tp, pp, vs, mb, remat, passes, **axes)
+                if pp > 1:
+                  yield Candidate(tp, pp, vs, mb, remat, 1, one_f_one_b=True, **axes)
 
 
 def _reason(error: UserInputError) -> str:
@@ -258,10 +312,11 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   """`Prior` of `exp` laid out as `reduced.target` on `hw`."""
   model, sizes = exp.model, reduced.target.sizes
   tp, pp, data, fsdp = sizes["tensor"], sizes["pipeline"], sizes["data"], sizes["fsdp"]
-  cp = sizes.get("context", 1)
+  cp, ep = sizes.get("context", 1), sizes.get("expert", 1)
   virtual = exp.train.virtual_stages if pp > 1 else 1
   micro = reduced.micro_batches
-  per_replica_tokens = exp.train.global_batch // (data * fsdp) * model.seq_len
+  # Expert-parallel ranks are data-parallel outside the experts: the batch splits over them.
+  per_replica_tokens = exp.train.global_batch // (data * fsdp * ep) * model.seq_len
   layers_per_gpu = model.num_layers / pp
   d = model.d_model
   per_token_layer = activation_bytes_per_token_layer(model, tp)
@@ -280,7 +335,11 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   adapters = getattr(exp, "lora", None)
   lora = adapters is not None and adapters.enabled
   dtype = adapters.base_dtype if lora else model.param_dtype
-  weight_bytes = param_count(model) * jax.numpy.dtype(dtype).itemsize / (tp * pp * fsdp)
+  # The routed experts' weights are split over expert too (0 for a dense model).
+  experts = routed_expert_param_count(model)
+  itemsize = jax.numpy.dtype(dtype).itemsize
+  weight_bytes = (param_count(model) - experts + experts / ep) * itemsize / (tp * pp * fsdp)
+  expert_grad_bytes = experts / ep * itemsize / (tp * pp * fsdp)
   grad_bytes = weight_bytes
   if lora:
     grad_bytes = lora_adapter_param_count(model, adapters) * 2 / (tp * pp * fsdp)
@@ -303,11 +362,47 @@ def prior(exp, hw: Hardware, reduced: layout.ReducedMesh, state_bytes: int) -> P
   cp_bw = hw.allgather_ring_busbw_gb_s if tp * cp <= hw.nvlink_domain_size else hw.nic_gb_s_per_gpu
   cp_passes = 3 if model.remat == "full" else 2
   cp_s = cp_passes * kv_bytes * layers_per_gpu / (cp_bw * 1e9)
-  # The gradients are reduced over data and context together.
+  # The gradients are reduced over data and context together, those outside the routed
+  # experts over expert as well.
   reducers = data * cp
-  dp_s = 2 * grad_bytes * (reducers - 1) / reducers / (hw.nic_gb_s_per_gpu * 1e9)
-  step_s = compute_s + hbm_s + tp_s + cp_s + dp_s
-  return Prior(state_bytes / GB, grad_bytes / GB, activations / GB, step_s, bubble)
+  shared_reducers = reducers * ep
+  dp_s = 2 * (grad_bytes - expert_grad_bytes) * (shared_reducers - 1) / shared_reducers
+  dp_s /= hw.nic_gb_s_per_gpu * 1e9
+  dp_s += 2 * expert_grad_bytes * (reducers - 1) / reducers / (hw.nic_gb_s_per_gpu * 1e9)
+  expert_s = expert_all_to_all_s(exp, hw, reduced, per_replica_tokens / micro) * micro
+  step_s = compute_s + hbm_s + tp_s + cp_s + dp_s + expert_s
+  return Prior(state_bytes / GB, grad_bytes / GB, activations / GB, step_s, bubble, expert_s)
+
+
+def expert_all_to_all_s(exp, hw: Hardware, reduced: layout.ReducedMesh, tokens: float) -> float:
+  """Seconds of one micro-batch's expert all-to-alls on a GPU, `tokens` its expert rank's
+  tokens (0 without expert parallelism). Each routed layer of the GPU's stage sends its
+  capacity buffer ([tokens, E x C / T, d_model] in the compute dtype, model/moe.py) to the
+  experts and back, forward and backward, and again when full remat recomputes the layer;
+  each all-to-all is priced by projection/collectives.py on the NVLink domains the
+  target's expert groups span (projection/layout.py; the slowest placement)."""
+  model, sizes = exp.model, reduced.target.sizes
+  ep = sizes.get("expert", 1)
+  if ep == 1 or not model.moe:
+    return 0.0
+  rows = moe.capacity(model, model.seq_len) * model.num_experts / model.seq_len
+  item = jax.numpy.dtype(model.compute_dtype).itemsize
+  buffer = int(tokens * rows * model.d_model * item)
+  seconds = max(
+    collectives.collective_time_s("all-to-all", buffer, domains, hw)
+    for domains in _expert_group_domains(reduced)
+  )
+  calls = 2 * (3 if model.remat == "full" else 2) * model.moe_layers / sizes["pipeline"]
+  return calls * seconds
+
+
+def _expert_group_domains(reduced: layout.ReducedMesh) -> list[tuple[int, ...]]:
+  """The NVLink domains of the target's expert groups' members, one tuple per distinct
+  placement: every group along `expert` of the compiled mesh, placed on the target."""
+  shape = [reduced.sizes[a] for a in AXES]
+  ids = np.arange(np.prod(shape)).reshape(shape)
+  groups = np.moveaxis(ids, AXES.index("expert"), -1).reshape(-1, shape[AXES.index("expert")])
+  return layout.target_group_domains(tuple(map(tuple, groups.tolist())), reduced)
 
 
 def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
@@ -335,11 +430,15 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
     try:
       reduced = plan(cand_exp, hw, gpus).reduced
       stages = reduced.target.sizes["pipeline"]
+      # What model/moe.py runs (the experts over mesh.expert, no context parallelism, the
+      # 1f1b schedule alone when pipelined), before the pipeline's checks: a lockstep
+      # schedule is pruned under train.pipeline_schedule. A dense model passes.
+      moe.check_mesh(cand_exp.model, reduced.sizes, cand_exp.train.pipeline_schedule)
       if stages > 1:
         micro = reduced.micro_batches
         schedule = cand_exp.train.pipeline_schedule
         pipeline.check(
-          cand_exp.model.num_layers,
+          pipelined_layers(cand_exp.model),
           stages,
           candidate.virtual_stages,
           micro,
@@ -426,6 +525,7 @@ def search(
       included=candidate == include,
       set=list(candidate.assignments()),
       tensor_parallel=candidate.tensor_parallel,
+      expert_parallel=candidate.expert_parallel if candidate.moe else None,
       context_parallel=candidate.context_parallel,
       pipeline_parallel=candidate.pipeline_parallel,
       virtual_stages=candidate.virtual_stages,

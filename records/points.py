@@ -153,6 +153,8 @@ class SearchChoice:
   budget: int
   # A best-configuration sweep's point: every configuration its search projected.
   projected: list[SearchProjected] | None = None
+  # mesh.expert, for a mixture of experts (searched there); absent for a dense model.
+  expert_parallel: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,6 +142,9 @@ def search_table(exp, found, wall_s: float, top: int) -> str:
   has_ttt = any("time_to_train_min" in r for r in best)
   if has_ttt:
     headers.insert(-1, "time to train min")
+  has_ep = any("expert_parallel" in r["search"] for r in best)  # a mixture of experts
+  if has_ep:
+    headers.insert(1, "EP")
   rows = []
   for r in best:
     s = r["search"]
@@ -164,6 +167,8 @@ def search_table(exp, found, wall_s: float, top: int) -> str:
     ]
     if has_ttt:
       row.insert(-1, r.get("time_to_train_min", ""))
+    if has_ep:
+      row.insert(1, s.get("expert_parallel", 1))
     rows.append(row)
   lines.append(table.columns(headers, rows))
   lines.append(f"best: --set {' --set '.join(best[0]['search']['set'])}")
@@ -177,8 +182,9 @@ def configuration_text(record: dict) -> str:
   if not s:
     return ""
   cp = f" CP{s['context_parallel']}" if s.get("context_parallel", 1) > 1 else ""
+  ep = f" EP{s['expert_parallel']}" if "expert_parallel" in s else ""
   return (
-    f"TP{s['tensor_parallel']}{cp} PP{s['pipeline_parallel']} VS{s['virtual_stages']} "
+    f"TP{s['tensor_parallel']}{ep}{cp} PP{s['pipeline_parallel']} VS{s['virtual_stages']} "
     f"mb{s['micro_batch']} {s['schedule']} {s['remat']}"
   )
 

@@ -13,13 +13,16 @@ import sys
 
 import pytest
 
+import experiments
 from errors import UserInputError
-from experiments import ExperimentConfig
+from experiments import ExperimentConfig, overrides
 from hardware import catalog
 from model.config import REMAT_POLICIES
 from parallelism.mesh import MeshConfig
 from projection import search, targets
+from projection.plan import plan
 from records.points import ProjectedPoint, to_json
+from report import points as printers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CUDA, _WHY = targets.cuda_available()
@@ -147,6 +150,104 @@ def test_state_over_hbm_is_pruned(small):
   assert ranking.survivors
   assert all(c.tensor_parallel * c.pipeline_parallel >= 4 for c, _, _ in ranking.survivors)
   assert all(p.state_gb <= little.hbm_bytes / 1e9 for _, p, _ in ranking.survivors)
+
+
+@pytest.fixture(scope="module")
+def moe_exp():
+  """The moe experiment: moe-tiny (8 experts, 3 layers of which 2 routed), 16 sequences."""
+  return experiments.load("moe")
+
+
+@pytest.fixture(scope="module")
+def moe_ranking(moe_exp):
+  """Its search on two 8-GPU H100 nodes (the one MoE ranking of this file: about 5 s)."""
+  return search.rank(moe_exp, H100, 16)
+
+
+def _moe(exp: ExperimentConfig, num_experts: int = 8, beyond: bool = False) -> ExperimentConfig:
+  return dataclasses.replace(
+    exp,
+    model=dataclasses.replace(exp.model, num_experts=num_experts),
+    mesh=dataclasses.replace(exp.mesh, allow_expert_beyond_nvlink=beyond),
+  )
+
+
+def test_moe_search_enumerates_the_expert_sizes_that_divide_the_experts(moe_exp, small):
+  # 12 experts: 1, 2, 3, 4 and 6 fit in an 8-GPU node's NVLink domain by size (12 does
+  # not); beyond it allowed, 12 too. A dense model's candidates keep mesh.expert.
+  twelve = _moe(moe_exp, 12)
+  assert search.expert_sizes(twelve, H100) == [1, 2, 3, 4, 6]
+  assert search.expert_sizes(_moe(moe_exp, 12, beyond=True), H100) == [1, 2, 3, 4, 6, 12]
+  space = list(search.enumerate_space(twelve, H100))
+  assert {c.expert_parallel for c in space} == {1, 2, 3, 4, 6}
+  assert {(c.expert_parallel, c.moe) for c in search.enumerate_space(small, H100)} == {(1, False)}
+  # Every other axis as for a dense model, the pipeline over the 2 routed layers (1, 2, 4).
+  dense = {dataclasses.replace(c, expert_parallel=1, moe=False) for c in space}
+  assert len(space) == 5 * len(dense)
+  assert {c.pipeline_parallel for c in space} == {1, 2, 4}
+  # The candidate sets mesh.expert, even at 1, and says so.
+  one = next(c for c in space if c.expert_parallel == 1)
+  assert "expert_parallel=1" in one.assignments() and ", EP 1, " in one.describe()
+  assert one.apply(twelve).mesh.expert == 1 and twelve.mesh.expert == 2
+  assert search.candidate_of(twelve) == dataclasses.replace(
+    search.candidate_of(small), tensor_parallel=2, expert_parallel=2, moe=True, remat="none"
+  )
+
+
+def test_moe_expert_groups_beyond_nvlink_and_lockstep_schedules_are_pruned(moe_exp, moe_ranking):
+  # On two 8-GPU nodes, expert x tensor = 16 crosses the NVLink domain: pruned under
+  # mesh.expert unless the experiment allows it. Pipelined, only 1f1b survives.
+  survivors = [c for c, _, _ in moe_ranking.survivors]
+  assert {c.expert_parallel for c in survivors} == {1, 2, 4, 8}
+  example = moe_ranking.examples["mesh.expert"]
+  assert "mesh.expert 8 (x context 1 x tensor 2 = 16 devices)" in example
+  assert "allow_expert_beyond_nvlink" in example
+  assert all(c.expert_parallel * c.tensor_parallel <= 8 for c in survivors)
+  pipelined = [c for c in survivors if c.pipeline_parallel > 1]
+  assert pipelined and all(c.one_f_one_b for c in pipelined)
+  assert "1f1b schedule only" in moe_ranking.examples["train.pipeline_schedule"]
+  wide = next(c for c in search.enumerate_space(moe_exp, H100) if c.expert_parallel == 8)
+  wide = dataclasses.replace(wide, tensor_parallel=2)
+  with pytest.raises(UserInputError, match="mesh.expert 8"):
+    plan(wide.apply(moe_exp), H100, 16)
+  plan(wide.apply(_moe(moe_exp, beyond=True)), H100, 16)  # allowed
+
+
+def test_the_prior_prices_expert_all_to_alls_on_the_network_that_holds_the_group(moe_exp):
+  # 16 experts on two H100 nodes, a sequence a replica: an expert group of 16 spans both
+  # nodes, half its all-to-all over the NICs; one of 8 sits in a node, over NVLink. The
+  # buffers a GPU sends are alike (16 replicas of the batch either way), so the group
+  # across the nodes costs more; and the same group in one 16-GPU NVLink domain less.
+  sixteen = _moe(moe_exp, 16, beyond=True)
+  base = search.Candidate(1, 1, 1, 1, "none", expert_parallel=8, moe=True)
+
+  def estimate(candidate, hw=H100):
+    exp = candidate.apply(sixteen)
+    return search.prior(exp, hw, plan(exp, hw, 16).reduced, 0)
+
+  inside, across = estimate(base), estimate(dataclasses.replace(base, expert_parallel=16))
+  assert 0 < inside.expert_s < across.expert_s
+  assert estimate(dataclasses.replace(base, expert_parallel=1)).expert_s == 0
+  one_domain = dataclasses.replace(H100, gpus_per_node=16, nvlink_domain_size=16)
+  wide = dataclasses.replace(base, expert_parallel=16)
+  assert estimate(wide, one_domain).step_s < across.step_s
+
+
+def test_a_moe_search_records_its_expert_parallelism(moe_exp, moe_ranking, small, monkeypatch):
+  dense = search.search(small, H100, 8, budget=1, projector=_fake_projector({"none"}))
+  assert "expert_parallel" not in _json(dense.records)[0]["search"]  # dense: nothing of it
+  monkeypatch.setattr(search, "rank", lambda *args: moe_ranking)
+  found = search.search(moe_exp, H100, 16, budget=2, projector=_fake_projector({"none"}))
+  for record in _json(found.records):
+    s = record["search"]
+    assert f"expert_parallel={s['expert_parallel']}" in s["set"]
+    assert f" EP{s['expert_parallel']} " in printers.configuration_text(record)
+    assert overrides.apply(moe_exp, s["set"]).mesh.expert == s["expert_parallel"]
+  table = printers.search_table(moe_exp, found, 1.0, 2)
+  assert next(line for line in table.splitlines() if line.startswith("TP")).split()[:2] == [
+    "TP",
+    "EP",
+  ]
 
 
 def _fake_projector(fitting_remat: set[str]):
