@@ -19,7 +19,7 @@ from experiments import ExperimentConfig, overrides
 from hardware import catalog
 from model.config import REMAT_POLICIES
 from parallelism.mesh import MeshConfig
-from projection import search, targets
+from projection import prior, search, targets
 from projection.plan import plan
 from records.points import ProjectedPoint, to_json
 from report import points as printers
@@ -223,7 +223,7 @@ def test_the_prior_prices_expert_all_to_alls_on_the_network_that_holds_the_group
 
   def estimate(candidate, hw=H100):
     exp = candidate.apply(sixteen)
-    return search.prior(exp, hw, plan(exp, hw, 16).reduced, 0)
+    return prior.prior(exp, hw, plan(exp, hw, 16).reduced, 0)
 
   inside, across = estimate(base), estimate(dataclasses.replace(base, expert_parallel=16))
   assert 0 < inside.expert_s < across.expert_s
