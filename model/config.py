@@ -153,6 +153,12 @@ class ModelConfig:
   def moe_layers(self) -> int:
     return self.num_layers - self.first_dense_layers if self.moe else 0
 
+  @property
+  def stacked_layers(self) -> int:
+    """The layers of the main stack, the one a pipeline splits: a mixture of experts'
+    routed layers (its dense first layers run before the pipeline), else every layer."""
+    return self.moe_layers or self.num_layers
+
   def dense_prefix(self) -> "ModelConfig":
     """The first_dense_layers dense layers' configuration (a stack of their own)."""
     return dataclasses.replace(self, num_layers=self.first_dense_layers, num_experts=0)

@@ -200,12 +200,6 @@ def expert_sizes(exp, hw: Hardware) -> list[int]:
   return [e for e in sizes if e <= hw.nvlink_domain_size]
 
 
-def pipelined_layers(model) -> int:
-  """The layers the pipeline stages split: a mixture of experts' routed ones (its dense
-  first layers run outside the pipeline, train/step.py), else every layer."""
-  return model.moe_layers or model.num_layers
-
-
 def _stage_counts(layers: int) -> list[int]:
   """Pipeline stages and virtual stages tried: the divisors of the layer count and, for an
   uneven split (the embedding and the loss counted as layers, pipeline.split), of it + 2."""
@@ -214,7 +208,7 @@ def _stage_counts(layers: int) -> list[int]:
 
 def enumerate_space(exp, hw: Hardware) -> Iterator[Candidate]:
   """Every candidate of the space (module docstring, step 1), before any check."""
-  stage_counts = _stage_counts(pipelined_layers(exp.model))
+  stage_counts = _stage_counts(exp.model.stacked_layers)
   routed = exp.model.moe
   for tp in _divisors(hw.nvlink_domain_size):
     for ep in expert_sizes(exp, hw):
@@ -269,7 +263,7 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
         micro = reduced.micro_batches
         schedule = cand_exp.train.pipeline_schedule
         pipeline.check(
-          pipelined_layers(cand_exp.model),
+          cand_exp.model.stacked_layers,
           stages,
           candidate.virtual_stages,
           micro,

@@ -140,9 +140,7 @@ def build(
 
   model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
   moe.check_mesh(model_cfg, dict(mesh.shape), train_cfg.pipeline_schedule)
-  # The rows of the pipelined stack: a MoE model's routed layers (its dense first layers
-  # run before the pipeline, gradients.LossPieces.prefix).
-  stacked = model_cfg.moe_layers or model_cfg.num_layers
+  stacked = model_cfg.stacked_layers  # the dense prefix runs before (gradients.LossPieces)
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
   if adapters.enabled and pipelined:
     raise UserInputError(
