@@ -54,6 +54,18 @@ def variant(exp: "ExperimentConfig", name: str) -> "ExperimentConfig":
   )
 
 
+def mlperf_round(exp: "ExperimentConfig", name: str) -> "ExperimentConfig":
+  """`exp` scored by round `name` of its benchmark: the experiment module's `ROUNDS`
+  (benchmark by round name), where it has one. A round changes the convergence data and
+  the evaluation schedule only; the model, mesh and batch stay."""
+  module = importlib.import_module(f"experiments.{exp.name}") if exp.name in names() else None
+  rounds = getattr(module, "ROUNDS", {})
+  if name not in rounds:
+    allowed = ", ".join(rounds) or "none"
+    raise UserInputError(f"--set round: {exp.name} has rounds {allowed}, got {name!r}")
+  return dataclasses.replace(exp, benchmark=rounds[name])
+
+
 def at_target(
   exp: "ExperimentConfig", gpus: int, hardware: str | None = None
 ) -> "ExperimentConfig":

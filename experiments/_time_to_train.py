@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping
 
 from errors import UserInputError
+from experiments import _rcp
 
 
 def interpolate(table: Mapping[int, float], global_batch: int, name: str) -> float:
@@ -111,7 +112,9 @@ class RcpNormalizedTimeToTrain:
   seq_len: int
   eval_interval_sequences: int  # evaluate after this many trained sequences
   eval_sequences: int  # each evaluation's validation sequences
-  # The reference runs' mean samples (sequences) to converge, by global batch.
+  # The reference runs' mean samples (sequences) to converge, by global batch: the RCPs
+  # the checker chooses from (experiments/_rcp.py checker_means, where a benchmark has its
+  # runs).
   mean_samples_by_global_batch: Mapping[int, float]
   # The first eval_skip_base + floor(eval_skip_per_10k_sequences x GBS / 10,000)
   # evaluations are not run (MLPerf v5.1); 0, 0: every one is.
@@ -125,15 +128,10 @@ class RcpNormalizedTimeToTrain:
     return self.eval_skip_base + self.eval_skip_per_10k_sequences * global_batch // 10_000
 
   def mean_samples(self, global_batch: int) -> float:
-    """The reference mean, linear in the global batch between the RCP batches; below the
-    smallest RCP batch, the smallest's mean. Those are MLPerf's rules (mlcommons/logging,
-    mlperf_logging/rcp_checker/rcp_checker.py check_directory: between two RCPs an
-    interpolated one; below them all, the smallest batch's RCP, "RCP not found but slower
-    convergence on smaller batch size"); above them all a submission needs a new RCP."""
-    smallest = min(self.mean_samples_by_global_batch)
-    if 0 < global_batch < smallest:
-      return float(self.mean_samples_by_global_batch[smallest])
-    return interpolate(self.mean_samples_by_global_batch, global_batch, self.name)
+    """The reference mean the run is normalized to, chosen as MLPerf's RCP checker chooses
+    it (experiments/_rcp.py): its batch's, the linear interpolation between the RCP batches
+    either side, below them all the smallest batch's; above them all, refused."""
+    return _rcp.reference_mean(self.mean_samples_by_global_batch, global_batch, self.name)
 
   def steps_to_converge(self, global_batch: int) -> int:
     """Steps of the run costed: whole evaluation intervals up to the reference mean, at
@@ -161,6 +159,7 @@ class RcpNormalizedTimeToTrain:
     run_s = train_s + evals * eval_s
     factor = self.normalization(global_batch)
     return {
+      "benchmark": self.name,  # with its round, where it has several
       "steps_to_converge": steps,
       "tokens_to_converge": steps * global_batch * self.seq_len,
       "evaluations": evals,

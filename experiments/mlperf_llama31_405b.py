@@ -1,4 +1,4 @@
-"""The MLPerf Training Llama 3.1 405B benchmark (rounds v5.0 and v5.1): train Llama 3.1 405B
+"""The MLPerf Training Llama 3.1 405B benchmark (rounds v5.0, v5.1, v6.0): train Llama 3.1 405B
 from Meta's checkpoint to a validation log perplexity of 5.6; the score is the wall clock
 (evaluation included), RCP-normalized.
 
@@ -6,12 +6,16 @@ The published definition, reference convergence and calibration points are in
 reference/mlperf_llama31_405b.py (sources: docs/sources/mlperf-llama31-405b.md). The
 recorded `time_to_train_min` is the RCP-normalized score, comparable with the published
 one; `time_to_train.run_time_min` is the run's own wall clock, comparable with its result
-log (experiments/_time_to_train.py RcpNormalizedTimeToTrain). The published
-configurations are named variants; a projection on a target that matches one uses it,
-and any other target its generation's published layout (`for_target`):
+log (experiments/_time_to_train.py RcpNormalizedTimeToTrain, the RCP chosen as MLPerf's
+checker chooses it: experiments/_rcp.py). The published configurations are named
+variants; a projection on a target that matches one uses it, and any other target its
+generation's published layout (`for_target`). Every round scores against its own RCPs
+and evaluation schedule (`ROUNDS`), v5.0 (the calibration runs') unless `--set round=`:
 
   python launch.py --mode=project --experiment=mlperf_llama31_405b --hardware=h100 --gpus=8192
   python launch.py --mode=project --experiment=mlperf_llama31_405b --hardware=gb200 --gpus=2496
+  python launch.py --mode=project --experiment=mlperf_llama31_405b --hardware=h100 \
+    --gpus=512 --set round=v6.0 --set global_batch=448
 """
 
 import dataclasses
@@ -19,6 +23,7 @@ import math
 
 import experiments
 from experiments import ExperimentConfig
+from experiments._rcp import checker_means
 from experiments._time_to_train import RcpNormalizedTimeToTrain
 from model.presets import preset
 from parallelism.mesh import MeshConfig
@@ -33,13 +38,14 @@ def benchmark(round_name: str) -> RcpNormalizedTimeToTrain:
     seq_len=published.SEQ_LEN,
     eval_interval_sequences=published.EVAL_INTERVAL_SEQUENCES[round_name],
     eval_sequences=published.EVAL_SEQUENCES,
-    mean_samples_by_global_batch=published.rcp_mean_samples(round_name),
+    mean_samples_by_global_batch=checker_means(published.RCP_SAMPLES[round_name]),
     eval_skip_base=published.EVAL_SKIP_BASE[round_name],
     eval_skip_per_10k_sequences=published.EVAL_SKIP_PER_10K_SEQUENCES[round_name],
   )
 
 
-BENCHMARKS = {name: benchmark(name) for name in published.EVAL_INTERVAL_SEQUENCES}
+# The benchmark by round, chosen with `--set round=NAME` (experiments.mlperf_round).
+ROUNDS = {name: benchmark(name) for name in published.EVAL_INTERVAL_SEQUENCES}
 
 
 def train_config(global_batch: int, micro_batch: int, round_name: str = "v5.0") -> TrainConfig:
@@ -50,7 +56,7 @@ def train_config(global_batch: int, micro_batch: int, round_name: str = "v5.0") 
   return TrainConfig(
     global_batch=global_batch,
     micro_batch=micro_batch,
-    steps=BENCHMARKS[round_name].steps_to_converge(global_batch),
+    steps=ROUNDS[round_name].steps_to_converge(global_batch),
     learning_rate=peak,
     lr_warmup_steps=published.warmup_steps(global_batch),
     lr_decay_steps=published.decay_steps(global_batch),
@@ -112,7 +118,7 @@ def _experiment(run: Layout, description: str) -> ExperimentConfig:
       virtual_stages=run.virtual_stages,
       shard_optimizer=True,
     ),
-    benchmark=BENCHMARKS[run.round_name],
+    benchmark=ROUNDS[run.round_name],
     latency_profile=True,
   )
 

@@ -3,7 +3,8 @@
 KEY is a dotted path into the experiment (`model.num_layers`, `mesh.tensor`,
 `train.global_batch`); VALUE is parsed by the field's type. `model=NAME` swaps in a
 named model size (model/presets.py PRESETS); `variant=NAME` swaps in one of the experiment's
-named variants (experiments/mlperf_gpt3_175b.py's published configurations).
+named variants (experiments/mlperf_gpt3_175b.py's published configurations); `round=NAME`
+scores it by an MLPerf round of its benchmark (experiments/mlperf_llama31_405b.py ROUNDS).
 
 Shortcuts for the parallelism of a projection, each setting the real field(s):
 
@@ -79,13 +80,15 @@ _CHOICES = {
   },
   "remat": {p: (("model.remat", p),) for p in REMAT_POLICIES},
 }
-SHORTCUTS = (*_POSITIVE, *_CHOICES, "variant")
+SHORTCUTS = (*_POSITIVE, *_CHOICES, "variant", "round")
 
 
 def _shortcut(cfg: Any, key: str, text: str) -> Any:
   """A shortcut key's assignment, checked and mapped to the field(s) it stands for."""
   if key == "variant":
     return experiments.variant(cfg, text)
+  if key == "round":
+    return experiments.mlperf_round(cfg, text)
   if key in _POSITIVE:
     # isdigit alone passes '²'; past 9 digits no mesh axis is that wide (and int() refuses
     # strings of over 4,300 digits).

@@ -1,5 +1,5 @@
 """The MLPerf Llama 3.1 405B benchmark as data: the RCP-normalized time-to-train arithmetic,
-the reference convergence interpolated between batches, both rounds' evaluation
+the reference convergence chosen as MLPerf's RCP checker chooses it, the rounds' evaluation
 schedules, the learning-rate rule and the published configurations by GPU count, and
 the published layout compiled deviceless, at test size and as Eos ran 405B (one
 compile, about 16 s on 2 cores; benchmarks/mlperf.py times both calibration points).
@@ -15,6 +15,7 @@ from projected import projected
 
 import experiments
 from errors import UserInputError
+from experiments import _rcp, overrides
 from experiments import mlperf_llama31_405b as mlperf
 from experiments._time_to_train import RcpNormalizedTimeToTrain
 from hardware import catalog
@@ -25,33 +26,82 @@ from projection import aot_compile, hlo, targets
 from projection.plan import plan as plan_target
 from reference import mlperf_llama31_405b as published
 
-V50, V51 = mlperf.BENCHMARKS["v5.0"], mlperf.BENCHMARKS["v5.1"]
+V50, V51, V60 = (mlperf.ROUNDS[r] for r in ("v5.0", "v5.1", "v6.0"))
 
 
-def test_rcp_means_are_the_reference_runs_means():
-  means = published.rcp_mean_samples("v5.0")
-  assert means[2304] == (4 * 368_640 + 2 * 414_720) / 6 == 384_000
-  assert means[9216] == 691_200
-  assert published.rcp_mean_samples("v5.1")[4608] == 488_448
+def test_rcp_means_are_the_checkers_olympic_means_pruned():
+  """mlcommons/logging rcp_checker.py: each RCP's mean without its fastest and slowest run;
+  then the batches below the fastest-converging one dropped, and each inner RCP above the
+  interpolation of its neighbours."""
+  # v5.0 2,304: 368,640 x 4 and 414,720 x 2, one of each dropped: (3 x 368,640 + 414,720) / 4.
+  assert _rcp.olympic_mean(published.RCP_SAMPLES["v5.0"][2304]) == 380_160
+  # v5.1 4,608: 460,800 and one 497,664 dropped: (479,232 + 3 x 497,664) / 4 (plain: 488,448).
+  assert _rcp.olympic_mean(published.RCP_SAMPLES["v5.1"][4608]) == 493_056
+  # v5.0's means by batch: 1,008 324,576; 1,152 322,560; 2,304 380,160; 4,608 495,360; 6,912
+  # 604,800; 9,216 691,200. 1,008 goes (1,152 converges faster); 2,304 stays (1,152 to
+  # 4,608 gives 322,560 + 172,800 / 3 = 380,160, not above); 4,608 goes (2,304 to 6,912
+  # gives 492,480); 6,912 goes (2,304 to 9,216 gives 380,160 + 311,040 x 2 / 3 = 587,520).
+  assert V50.mean_samples_by_global_batch == {1152: 322_560, 2304: 380_160, 9216: 691_200}
+  # v5.1 and v6.0 (the same file): 2,304 is under 313,344 + 179,712 / 3 = 373,248; kept.
+  v51 = {1152: 313_344, 2304: 368_640, 4608: 493_056}
+  assert V51.mean_samples_by_global_batch == V60.mean_samples_by_global_batch == v51
 
 
 def test_mean_samples_interpolate_linearly_between_rcp_batches():
-  # 1,536 is a third of the way from 1,152 (322,560) to 2,304 (384,000).
-  assert V50.mean_samples(1536) == pytest.approx(322_560 + (384_000 - 322_560) / 3)
+  # 1,536 is a third of the way from 1,152 (322,560) to 2,304 (380,160).
+  assert V50.mean_samples(1536) == pytest.approx(322_560 + 57_600 / 3) == 341_760
   assert V50.mean_samples(1152) == 322_560
   # 1,248 is a twelfth of the way.
-  assert V50.mean_samples(1248) == pytest.approx(322_560 + 61_440 / 12)
-  with pytest.raises(UserInputError, match="global batches 1152-4608 only"):
-    V51.mean_samples(9216)  # above every RCP: MLPerf asks for a new RCP
+  assert V50.mean_samples(1248) == pytest.approx(322_560 + 57_600 / 12)
+  # 4,608's own RCP is pruned: a third of the way from 2,304 to 9,216 (691,200).
+  assert V50.mean_samples(4608) == pytest.approx(380_160 + 311_040 / 3) == 483_840
+  with pytest.raises(UserInputError, match="largest 4608"):
+    V60.mean_samples(9216)  # above every RCP: MLPerf asks for a new RCP
 
 
-@pytest.mark.parametrize("global_batch", [448, 576, 768, 896])
+@pytest.mark.parametrize("global_batch", [448, 576, 768, 896, 1008])
 def test_a_batch_below_every_rcp_takes_the_smallest_batchs_rcp(global_batch):
-  """MLPerf's rcp_checker scores a batch below the smallest RCP batch against that RCP; the
-  published FP8 runs at these batches are then costed, not refused."""
-  assert V50.mean_samples(global_batch) == V50.mean_samples(1008)
-  assert V51.mean_samples(global_batch) == V51.mean_samples(1152)
-  assert V50.steps_to_converge(global_batch) * global_batch <= V50.mean_samples(1008)
+  """rcp_checker scores a batch below the smallest RCP batch against that RCP ("RCP not
+  found but slower convergence on smaller batch size"); the published FP8 runs at these
+  batches are then costed, not refused. v5.0's 1,008 is pruned, so 1,008 is one of them."""
+  assert V50.mean_samples(global_batch) == 322_560
+  assert V51.mean_samples(global_batch) == V60.mean_samples(global_batch) == 313_344
+  for bench in (V50, V51, V60):
+    assert bench.steps_to_converge(global_batch) * global_batch <= bench.mean_samples(1152)
+
+
+def test_v60_below_and_between_rcp_batches():
+  # GBS 448: an evaluation every ceil(18,432 / 448) = 42 steps (18,816 sequences), the
+  # first 12 + floor(26 x 448 / 10,000) = 13 not run; 313,344 / 18,816 = 16.65, so 16
+  # intervals = 672 steps = 301,056 sequences, 3 evaluated; scaled by 313,344 / 301,056 =
+  # 51 / 49.
+  assert (V60.eval_interval_steps(448), V60.skipped_evaluations(448)) == (42, 13)
+  assert (V60.steps_to_converge(448), V60.evaluations(448)) == (672, 3)
+  assert V60.normalization(448) == pytest.approx(51 / 49)
+  # GBS 1,248: a twelfth of the way from 1,152 to 2,304, 313,344 + 55,296 / 12 = 317,952;
+  # every ceil(18,432 / 1,248) = 15 steps (18,720), 12 + 3 = 15 skipped; 317,952 / 18,720
+  # = 16.98, so 16 intervals = 240 steps = 299,520 sequences, 1 evaluated.
+  assert V60.mean_samples(1248) == pytest.approx(317_952)
+  assert (V60.steps_to_converge(1248), V60.evaluations(1248)) == (240, 1)
+  assert V60.normalization(1248) == pytest.approx(317_952 / 299_520)
+  # GBS 448 in v5.0: every ceil(46,080 / 448) = 103 steps (46,144); 322,560 / 46,144 = 6.99,
+  # so 6 intervals = 618 steps, every one evaluated.
+  assert (V50.steps_to_converge(448), V50.evaluations(448)) == (618, 6)
+
+
+def test_the_round_is_chosen_by_name_and_a_bad_name_is_one_line():
+  exp = experiments.load("mlperf_llama31_405b")
+  assert exp.benchmark is V50  # the calibration runs' round
+  chosen = overrides.apply(exp, ["round=v6.0", "global_batch=448"])
+  assert chosen.benchmark is V60 and chosen.train.global_batch == 448
+  assert chosen.benchmark.estimate(10.0, 448, 0.3)["benchmark"] == "mlperf_llama31_405b v6.0"
+  with pytest.raises(UserInputError) as e:
+    overrides.apply(exp, ["round=v7.0"])
+  assert str(e.value) == (
+    "--set round: mlperf_llama31_405b has rounds v5.0, v5.1, v6.0, got 'v7.0'"
+  )
+  with pytest.raises(UserInputError, match="tiny has rounds none"):
+    overrides.apply(experiments.load("tiny"), ["round=v6.0"])
 
 
 @pytest.mark.parametrize("run", published.CALIBRATION, ids=lambda r: f"{r.gpus}")
@@ -64,22 +114,23 @@ def test_the_run_costed_stops_where_the_calibration_runs_stopped(run):
   assert factor == pytest.approx(
     V50.mean_samples(run.global_batch) / (run.steps * run.global_batch)
   )
-  # Within 0.4% of the ratio of the published score to the cited log's run time: the
-  # score is the median run's, whose samples may differ from the cited log's.
-  assert factor == pytest.approx(run.score_min / run.run_time_min, rel=4e-3)
+  # The checker's RCP gives the published score from the cited log's run time, to the
+  # score's two decimals: 19.64 x 341,760 / 322,560 = 20.81 and 26.99 x 327,360 / 323,232
+  # = 27.33 (the plain means' 343,040 and 327,680 gave 20.89 and 27.36).
+  assert round(run.run_time_min * factor, 2) == run.score_min
 
 
 def test_time_to_train_arithmetic_v50():
   # GBS 1,536, step 5 s, an evaluation a third of a step's FLOPs: 210 steps = 1,050 s,
   # 7 evaluations of ceil(5760 / 1536) = 4 batches = 7 x 4 x 5 / 3 s; scaled by
-  # 343,040 / 322,560.
+  # 341,760 / 322,560.
   est = V50.estimate(5.0, 1536, 1 / 3)
   run_s = 1050 + 7 * 4 * 5 / 3
   assert est["steps_to_converge"] == 210 and est["evaluations"] == 7
   assert est["eval_s_each"] == pytest.approx(20 / 3)
   assert est["tokens_to_converge"] == 210 * 1536 * 8192
   assert est["run_time_min"] == pytest.approx(run_s / 60)
-  assert est["time_to_train_min"] == pytest.approx(run_s * 343_040 / 322_560 / 60)
+  assert est["time_to_train_min"] == pytest.approx(run_s * 341_760 / 322_560 / 60)
 
 
 def test_v51_skips_the_first_evaluations():
@@ -95,7 +146,7 @@ def test_v51_skips_the_first_evaluations():
 
 
 def test_a_run_converges_no_earlier_than_its_first_evaluation_run():
-  # GBS 4,608 in v5.1: intervals of 4 steps, 23 skipped; the mean, 488,448 = 106 steps,
+  # GBS 4,608 in v5.1: intervals of 4 steps, 23 skipped; the mean, 493,056 = 107 steps,
   # is past 26 intervals (104 steps), the last 3 of them evaluated.
   assert (V51.eval_interval_steps(4608), V51.skipped_evaluations(4608)) == (4, 23)
   assert (V51.steps_to_converge(4608), V51.evaluations(4608)) == (104, 3)
@@ -143,7 +194,7 @@ def test_each_target_runs_its_published_run_or_its_generations_layout():
   # TP 2 x PP 8 x CP 2, and the smallest multiple of 256 x 8 from 1,152 is 2,048.
   gb300 = experiments.at_target(exp, 8192, "gb300")
   assert (gb300.mesh.tensor, gb300.train.global_batch) == (2, 2048)
-  assert gb300.train.steps == mlperf.BENCHMARKS["v5.0"].steps_to_converge(2048)
+  assert gb300.train.steps == mlperf.ROUNDS["v5.0"].steps_to_converge(2048)
   h200 = experiments.at_target(exp, 512, "h200")
   assert (h200.mesh.tensor, h200.mesh.context, h200.train.global_batch) == (4, 2, 1152)
   assert experiments.at_target(exp, 512, "a100") is exp  # no published Llama layout
