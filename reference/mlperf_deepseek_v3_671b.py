@@ -45,19 +45,17 @@ def learning_rate(global_batch: int) -> float:
   return BASE_LEARNING_RATE * math.sqrt(global_batch / BASE_GLOBAL_BATCH)
 
 
-# Samples (sequences) at convergence of the six reference runs at each global batch (the
-# RCP file; a run converges at an evaluation, here every step, so each is a whole number
-# of steps).
+# Samples (sequences) at convergence of the six reference runs at each global batch
+# (github.com/mlcommons/logging, mlperf_logging/rcp_checker/training_6.0.0/
+# rcps_deepseekv3_671b.json, "Epochs to converge"; training_6.1.0's are the same runs; a
+# run converges at an evaluation, here every step, so each is a whole number of steps).
+# How a score is normalized to them (olympic means 725,760, 765,952 and 861,696; none
+# pruned): experiments/_rcp.py.
 RCP_SAMPLES: dict[int, tuple[int, ...]] = {
   15_360: (721_920,) * 3 + (737_280,) * 2 + (691_200,),
   16_384: (770_048,) * 3 + (786_432,) + (753_664,) * 2,
   18_432: (847_872,) + (866_304,) * 4 + (829_440,),
 }
-
-
-def rcp_mean_samples() -> dict[int, float]:
-  """The reference runs' mean samples to converge, by global batch."""
-  return {gbs: sum(runs) / len(runs) for gbs, runs in RCP_SAMPLES.items()}
 
 
 @dataclasses.dataclass(frozen=True)

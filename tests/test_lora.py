@@ -20,7 +20,7 @@ from flax import nnx
 
 import experiments
 from errors import UserInputError
-from experiments import overrides
+from experiments import _rcp, overrides
 from hardware import catalog
 from model import flops, gpt, lora
 from model import presets as model_presets
@@ -28,6 +28,7 @@ from modes import options as options_lib
 from parallelism import mesh as mesh_lib
 from projection import aot_compile, hlo, search, targets
 from projection.plan import plan
+from reference import mlperf_llama2_70b_lora as lora_published
 from tools import make_tokens
 from train import data as data_lib
 from train import loop
@@ -362,6 +363,44 @@ _CUDA, _WHY = targets.cuda_available()
 
 
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_mlperf_llama2_70b_lora_rcps_are_the_checkers():
+  """mlcommons/logging rcp_checker.py on the RCP file's 20 runs a batch (in samples):
+  olympic means, then pruning from the second RCP on, each against its current
+  neighbours."""
+  runs = lora_published.RCP_SAMPLES
+  # GBS 8: 2,688 x 3, 3,072 x 9, 3,456 x 7, 3,840; one 2,688 and the 3,840 dropped:
+  # (2 x 2,688 + 9 x 3,072 + 7 x 3,456) / 18 = 57,216 / 18 = 3,178.67.
+  assert _rcp.olympic_mean(runs[8]) == pytest.approx(57_216 / 18)
+  # GBS 16: 3,456, 3,840 x 13, 4,224 x 2, 4,608 x 2, 4,992 x 2; the 3,456 and a 4,992
+  # dropped: (13 x 3,840 + 2 x 4,224 + 2 x 4,608 + 4,992) / 18 = 72,576 / 18 = 4,032.
+  assert _rcp.olympic_mean(runs[16]) == 4_032
+  # GBS 32: 5,376, 5,760 x 8, 6,144 x 7, 6,528 x 4: (8 x 5,760 + 7 x 6,144 + 3 x 6,528) /
+  # 18 = 108,672 / 18 = 6,037.33.
+  assert _rcp.olympic_mean(runs[32]) == pytest.approx(108_672 / 18)
+  # GBS 128: 9,984 x 2, 10,752 x 5, 11,136 x 7, 11,520 x 2, 12,288, 12,672, 13,056 x 2: a
+  # 9,984 and a 13,056 dropped, 202,752 / 18 = 11,264.
+  assert _rcp.olympic_mean(runs[128]) == 11_264
+  # 16 is checked first, against 8 and 32: 3,178.67 + (6,037.33 - 3,178.67) x 8 / 24 =
+  # 4,131.56, and 4,032 is under it, so it stays; then 32 against 16 and 128: 4,032 +
+  # 7,232 x 16 / 112 = 5,065.14, and 6,037.33 is above it, so it goes. (16 against 8 and
+  # 128, 3,178.67 + 8,085.33 x 8 / 120 = 3,717.69, would prune it; the checker's walk
+  # never makes that comparison.)
+  means = _rcp.checker_means(runs)
+  assert means == pytest.approx({8: 57_216 / 18, 16: 4_032, 128: 11_264})
+  bench = experiments.load("mlperf_llama2_70b_lora").benchmark
+  assert bench.mean_samples_by_global_batch == means
+  # GBS 8 (eos_8): an evaluation every 48 steps (384 sequences), the first floor(0.125 x 8
+  # + 2) = 3 skipped; 3,178.67 / 384 = 8.28, so 8 intervals = 384 steps = 3,072 samples, 5
+  # evaluations, scaled by 57,216 / 18 / 3,072 = 1.0347 (the rounded 3,178.67 gave the
+  # same to 1e-6).
+  assert (bench.steps_to_converge(8), bench.evaluations(8)) == (384, 5)
+  assert bench.normalization(8) == pytest.approx(57_216 / 18 / 3_072)
+  # GBS 128 (eos_1024): every 3 steps, 2 + 16 = 18 skipped; 11,264 / 384 = 29.3, so 29
+  # intervals = 87 steps = 11,136 samples, 11 evaluations, scaled by 11,264 / 11,136.
+  assert (bench.steps_to_converge(128), bench.evaluations(128)) == (87, 11)
+  assert bench.normalization(128) == pytest.approx(11_264 / 11_136)
+
+
 def test_benchmark_step_at_512_h100_fits_and_runs_the_lora_flops():
   """The LoRA benchmark's step (Llama 2 70B, FP8 matmuls on FP8-stored frozen weights,
   cuDNN attention, adapters on the fused QKV and output) in its 512-GPU layout, compiled

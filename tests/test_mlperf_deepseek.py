@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import experiments
+from experiments import _rcp
 from experiments import mlperf_deepseek_v3_671b as mlperf
 from hardware import catalog
 from parallelism.mesh import AXES
@@ -19,26 +20,44 @@ from reference import mlperf_deepseek_v3_671b as published
 BENCH = mlperf.benchmark()
 
 
-def test_rcp_means():
-  means = published.rcp_mean_samples()
-  assert means[15_360] == 721_920 == 47 * 15_360
-  assert means[16_384] == pytest.approx(767_317.333)
-  assert means[18_432] == pytest.approx((847_872 + 4 * 866_304 + 829_440) / 6)
+def test_rcp_means_are_the_checkers_olympic_means():
+  """mlcommons/logging rcp_checker.py: each RCP's mean without its fastest and slowest run;
+  none is pruned."""
+  means = mlperf.benchmark().mean_samples_by_global_batch
+  # 15,360: 691,200, 721,920 x 3, 737,280 x 2 -> (3 x 721,920 + 737,280) / 4 = 725,760
+  # (the plain mean of all six: 721,920).
+  assert _rcp.olympic_mean(published.RCP_SAMPLES[15_360]) == 725_760
+  # 16,384: 753,664 x 2, 770,048 x 3, 786,432 -> (753,664 + 3 x 770,048) / 4 = 765,952
+  # (plain: 767,317.33).
+  assert _rcp.olympic_mean(published.RCP_SAMPLES[16_384]) == 765_952
+  # 18,432: 829,440, 847,872, 866,304 x 4 -> (847,872 + 3 x 866,304) / 4 = 861,696
+  # (plain: 857,088).
+  assert _rcp.olympic_mean(published.RCP_SAMPLES[18_432]) == 861_696
+  # 16,384 is under 15,360 to 18,432's 725,760 + 135,936 / 3 = 771,072: kept.
+  assert means == {15_360: 725_760, 16_384: 765_952, 18_432: 861_696}
 
 
 def test_published_scores_are_run_times_rcp_normalized():
+  # GB200: 48 steps x 15,360 = 737,280 samples, past the mean: not scaled, 27.61. GB300: 45
+  # x 16,384 = 737,280, scaled by 765,952 / 737,280: 1.945 x 1.03889 = 2.0206 (the plain
+  # mean's 767,317.33 gave 2.0242); both 2.02 at the published 3 digits.
   for run in published.CALIBRATION:
     samples = run.steps * run.global_batch
     factor = max(1.0, BENCH.mean_samples(run.global_batch) / samples)
     assert run.run_time_min * factor == pytest.approx(run.score_min, rel=5e-3)
+  assert round(1.945 * 765_952 / 737_280, 2) == 2.02
 
 
 def test_costed_run_stops_at_the_rcp_mean():
   # An evaluation every step: the run costed is the last whole step at or below the mean.
+  # 725,760 / 15,360 = 47.25 -> 47 steps (721,920 samples), scaled by 725,760 / 721,920
+  # (the plain mean, 721,920, was exactly 47 steps and left it unscaled); 765,952 / 16,384
+  # = 46.75 -> 46 steps (753,664), scaled by 765,952 / 753,664.
   assert BENCH.eval_interval_steps(15_360) == BENCH.eval_interval_steps(16_384) == 1
   assert BENCH.steps_to_converge(15_360) == 47
+  assert BENCH.normalization(15_360) == pytest.approx(725_760 / 721_920)
   assert BENCH.steps_to_converge(16_384) == 46
-  assert BENCH.normalization(16_384) == pytest.approx(767_317.333 / (46 * 16_384))
+  assert BENCH.normalization(16_384) == pytest.approx(765_952 / 753_664)
   assert BENCH.evaluations(16_384) == 46
 
 
