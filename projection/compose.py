@@ -24,15 +24,18 @@ residual slots are V P + 2 P - 1 for V >= 2 and two groups or more
 The pieces' analyses are cached on disk (`$JAX_SCALING_COMPOSE_CACHE`, else a folder
 beside XLA's kernel cache, projection/kernel_cache.py), keyed by what the compiled
 programs depend on: the model with C layers, the train step's fields, the reduced mesh,
-the GPU and the jax version. The data size is not in the key: a piece's latency profile
-(aot_compile.latency_profile) is taken on the reduced mesh itself, and its collectives
-are re-placed on the target when costed, as in a full projection.
+the GPU, the jax version and the code that builds and costs them. The data size is not
+in the key: a piece's latency profile (aot_compile.latency_profile) is taken on the
+reduced mesh itself, and its collectives are re-placed on the target when costed, as in
+a full projection.
 
 The full compile (projection/project.py, `how="full"`) stays the reference;
 benchmarks/compose_check.py prints the two side by side.
 """
 
 import dataclasses
+import functools
+import glob
 import hashlib
 import os
 import pickle
@@ -65,6 +68,9 @@ from records.points import Composition, ProjectedPoint
 NEAR_CAPACITY = 0.79
 # The cached pieces' layout (Piece): a change of it makes new keys.
 _FORMAT = 2
+# The packages whose code shapes a piece's compiled program and its analysis: an edit of
+# any of them makes new keys, so pieces compiled by other code are never read back.
+_CODE_PACKAGES = ("model", "parallelism", "train", "projection", "hardware")
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
 
 _FILL, _STEADY, _DRAIN = (
@@ -183,8 +189,22 @@ def _key(
     shapes,
     jax.__version__,
     _FORMAT,
+    _code_digest(),
   )
   return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _code_digest() -> str:
+  """A digest of the Python sources in _CODE_PACKAGES (read once a process)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  digest = hashlib.sha256()
+  for package in _CODE_PACKAGES:
+    for path in sorted(glob.glob(os.path.join(root, package, "**", "*.py"), recursive=True)):
+      digest.update(os.path.relpath(path, root).encode())
+      with open(path, "rb") as f:
+        digest.update(f.read())
+  return digest.hexdigest()
 
 
 def cached_pieces(path: str) -> list[Piece] | None:

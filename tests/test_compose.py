@@ -61,6 +61,11 @@ def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, mon
   assert again["composition"]["cached"] is True
   assert again["step_time_s"] == composed["step_time_s"]  # same pieces, same arithmetic
 
+  # Pieces compiled by other code are not read back: another code digest compiles anew.
+  monkeypatch.setattr(compose, "_code_digest", lambda: "other code")
+  with pytest.raises(AssertionError, match="compiled again"):
+    projected(toy, "h100", 64, "composed")
+
 
 def test_lockstep_schedules_are_not_composed(toy):
   lockstep = dataclasses.replace(
