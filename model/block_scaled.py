@@ -138,7 +138,11 @@ def _dot(a: Quantized, b: Quantized, fmt: Format, dtype) -> jax.Array:
   emulated (dequantize, float32 matmul) elsewhere."""
 
   def cuda(av, bv, a_scales, b_scales):
-    return _cudnn(av[None], bv[None], a_scales[None], b_scales[None])[0]
+    # cuDNN writes the compute dtype, as Transformer Engine's GEMMs do: a partitioned GEMM's
+    # all-reduce of partial products then moves bf16, not float32 (512 GB200 DeepSeek-V3:
+    # 65.5 s a step with float32 outputs, 58.5 s with bf16).
+    gemm = _cudnn(jnp.dtype(dtype))
+    return gemm(av[None], bv[None], a_scales[None], b_scales[None])[0].astype(jnp.float32)
 
   def emulated(av, bv, a_scales, b_scales):
     a_full = dequantize(Quantized(av, a_scales, jnp.ones((), jnp.float32)), fmt)
@@ -151,13 +155,42 @@ def _dot(a: Quantized, b: Quantized, fmt: Format, dtype) -> jax.Array:
   return (out * (a.global_scale * b.global_scale)).astype(dtype)
 
 
-@jax.custom_batching.custom_vmap
-def _cudnn(av: jax.Array, bv: jax.Array, a_scales: jax.Array, b_scales: jax.Array) -> jax.Array:
+@functools.cache
+def _cudnn(out_type):
   """jax.nn.scaled_matmul on operands [..., M, K] and [..., N, K] whose leading axes are
-  batch axes, flattened into its one batch axis."""
-  lead = av.shape[:-2]
-  flat = [x.reshape(-1, *x.shape[-2:]) for x in (av, bv, a_scales, b_scales)]
-  return _scaled_matmul(*flat)[0].reshape(*lead, av.shape[-2], bv.shape[-2])
+  batch axes, flattened into its one batch axis; the output in `out_type`."""
+
+  @jax.custom_batching.custom_vmap
+  def gemm(av: jax.Array, bv: jax.Array, a_scales: jax.Array, b_scales: jax.Array):
+    lead = av.shape[:-2]
+    flat = [x.reshape(-1, *x.shape[-2:]) for x in (av, bv, a_scales, b_scales)]
+    out = _scaled_matmul(*flat, out_type)[0]
+    return out.reshape(*lead, av.shape[-2], bv.shape[-2])
+
+  @gemm.def_vmap
+  def _vmap(axis_size, in_batched, av, bv, a_scales, b_scales):
+    # scaled_matmul's own batching rule, and its SPMD partitioner, need every operand
+    # batched alike. Inside the model's vmaps (data replicas, context ranks, pipeline
+    # stages) a weight often is not: the mapped axis then joins the other operand's rows,
+    # as a shared weight's matmul batches.
+    a_batched, b_batched = in_batched[0], in_batched[1]
+    # Scales are made with their values, so they are batched alike.
+    assert in_batched[2] == a_batched and in_batched[3] == b_batched, in_batched
+    assert a_batched or b_batched, in_batched
+    if a_batched and b_batched:
+      return gemm(av, bv, a_scales, b_scales), True
+    if a_batched:  # [V, ..., M, K] x [..., N, K]: V M rows
+      rows = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
+      out = gemm(rows(av), bv, rows(a_scales), b_scales)  # [..., V M, N]
+      out = out.reshape(*out.shape[:-2], axis_size, -1, out.shape[-1])
+      return jnp.moveaxis(out, -3, 0), True
+    # [..., M, K] x [V, ..., N, K]: V N columns
+    cols = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
+    out = gemm(av, cols(bv), a_scales, cols(b_scales))  # [..., M, V N]
+    out = out.reshape(*out.shape[:-1], axis_size, -1)
+    return jnp.moveaxis(out, -2, 0), True
+
+  return gemm
 
 
 def _padded(spec, rank: int = 3) -> tuple:
@@ -216,39 +249,15 @@ _partitioned.def_partition(
 )
 
 
-def _scaled_matmul(av, bv, a_scales, b_scales) -> list[jax.Array]:
-  """jax.nn.scaled_matmul ([B, M, K] x [B, N, K] -> [B, M, N] float32) with another SPMD
+def _scaled_matmul(av, bv, a_scales, b_scales, out_type) -> list[jax.Array]:
+  """jax.nn.scaled_matmul ([B, M, K] x [B, N, K] -> [B, M, N] in out_type) with another SPMD
   partitioning rule. jax 0.10.2's all-reduces a contraction split over mesh axes only when
   the rhs's rows are whole: the weight-gradient GEMM of a column-parallel weight (rows
   split over `tensor`) with its tokens split over `expert` (DeepSeek-V3's attention
   projections and shared experts at 512 GB200) then all-gathers both operands' tokens
   instead, 291 GB a step. Here any contraction split alike in both operands is summed by
   an all-reduce, and M and N keep their splits where they use other mesh axes."""
-  return _partitioned(av, bv, a_scales, b_scales, jnp.dtype(jnp.float32))
-
-
-@_cudnn.def_vmap
-def _cudnn_vmap(axis_size, in_batched, av, bv, a_scales, b_scales):
-  # scaled_matmul's own batching rule, and its SPMD partitioner, need every operand
-  # batched alike. Inside the model's vmaps (data replicas, context ranks, pipeline
-  # stages) a weight often is not: the mapped axis then joins the other operand's rows,
-  # as a shared weight's matmul batches.
-  a_batched, b_batched = in_batched[0], in_batched[1]
-  # Scales are made with their values, so they are batched alike.
-  assert in_batched[2] == a_batched and in_batched[3] == b_batched, in_batched
-  assert a_batched or b_batched, in_batched
-  if a_batched and b_batched:
-    return _cudnn(av, bv, a_scales, b_scales), True
-  if a_batched:  # [V, ..., M, K] x [..., N, K]: V M rows
-    rows = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
-    out = _cudnn(rows(av), bv, rows(a_scales), b_scales)  # [..., V M, N]
-    out = out.reshape(*out.shape[:-2], axis_size, -1, out.shape[-1])
-    return jnp.moveaxis(out, -3, 0), True
-  # [..., M, K] x [V, ..., N, K]: V N columns
-  cols = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
-  out = _cudnn(av, cols(bv), a_scales, cols(b_scales))  # [..., M, V N]
-  out = out.reshape(*out.shape[:-1], axis_size, -1)
-  return jnp.moveaxis(out, -2, 0), True
+  return _partitioned(av, bv, a_scales, b_scales, out_type)
 
 
 def _weight(w: jax.Array, fmt: Format) -> Quantized:
@@ -375,7 +384,7 @@ def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str) -> jax.
 def _einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str, batch: str):
   if batch:
     # One GEMM per batch index: the batch axes moved to the front of x and vmapped over
-    # (the vmap rule of `_cudnn` makes them the batch axis of cuDNN's GEMM).
+    # (the vmap rule of `_cudnn`'s GEMM makes them the batch axis of cuDNN's).
     xs, ws, out = dense.split(spec)
     if not ws.startswith(batch):
       raise ValueError(f"block-scaled einsum: {spec!r} has batch axes {batch!r} not leading in w")
