@@ -81,6 +81,8 @@ class Benchmark:
   # Like-for-like tables: `--set` assignments run on every generation of `like_for_like_hw`.
   like_for_like: tuple[tuple[str, ...], ...] = ()
   like_for_like_hw: tuple[str, ...] = ()
+  # `--set` assignments of the generations table (before the command line's).
+  generations_sets: tuple[str, ...] = ()
 
 
 BENCHMARKS = {
@@ -112,9 +114,11 @@ BENCHMARKS = {
       for name, run in mlperf_deepseek_v3_671b.PUBLISHED.items()
     ),
     # The published 512-GB200 layout on every generation: on HGX its expert group of 32 x
-    # tensor 2 spans 8 nodes (the all-to-alls over InfiniBand), on NVL72 one rack.
+    # tensor 2 spans 8 nodes (the all-to-alls over InfiniBand), on NVL72 one rack. In bf16
+    # on each, as Hopper has no MXFP8 (the calibration runs the published MXFP8).
     ("h100", "h200", "b200", "gb200", "gb300"),
     "gb200_512",
+    generations_sets=("precision=bf16",),
   ),
 }
 GENERATIONS_GPUS = 512
@@ -322,7 +326,9 @@ def generations(bench: Benchmark, hardware: list[str], sets: list[str]) -> str:
   for label, hws, extra in tables:
     rows, results = [], []
     for hw in hws:
-      result = analyse(_at(bench, hw, [*extra, *sets]), hw, GENERATIONS_GPUS)
+      result = analyse(
+        _at(bench, hw, [*bench.generations_sets, *extra, *sets]), hw, GENERATIONS_GPUS
+      )
       rows.append((*_row(f"{label} {' '.join(sets)}", result), f"{result['seconds']:.0f}"))
       results.append((hw, result))
     print(f"\n{GENERATIONS_GPUS} GPUs, {label} {' '.join(sets)} (times 'if it fit')")

@@ -11,11 +11,12 @@ variants (`gb200_512`, `gb300_8192`), selected by the target's GPU count:
   python launch.py --mode=project --experiment=mlperf_deepseek_v3_671b --hardware=gb200 --gpus=512
   python launch.py --mode=project --experiment=mlperf_deepseek_v3_671b --hardware=gb300 --gpus=8192
 
-What differs from the published runs (docs/moe.md): bf16 matmuls (the experts and latent
-attention have no MXFP8 path here; attention is cuDNN's bf16 kernel, its values padded to
-the keys' width), no multi-token prediction module, capacity buffers of factor 1 (the
-work of balanced routing; the published runs are dropless and not force-balanced), the 3
-dense layers run before the pipeline (parallelism/gradients.py).
+What differs from the published runs (docs/moe.md): the weight matmuls are MXFP8 as
+published, but attention is cuDNN's bf16 kernel (theirs FP8), its values padded to the
+keys' width, and the output head is bf16 (GB300's is MXFP8); no multi-token prediction
+module, capacity buffers of factor 1 (the work of balanced routing; the published runs are
+dropless and not force-balanced), the 3 dense layers run before the pipeline
+(parallelism/gradients.py).
 """
 
 import dataclasses
@@ -102,14 +103,18 @@ def train_config(global_batch: int, micro_batch: int = 1) -> TrainConfig:
 
 
 # DeepSeek-V3 with the benchmark's balance-loss coefficient; capacity factor 1: the expert
-# matmuls at the shapes balanced routing gives (the routing taken as balanced). cuDNN's
-# fused attention, as NVIDIA's runs (Transformer Engine), its values padded from 128 to the
-# keys' 192 dims (model/attention.py).
+# matmuls at the shapes balanced routing gives (the routing taken as balanced). MXFP8 weight
+# matmuls (E4M3, an E8M0 scale per 32 values), as NVIDIA's runs (their config_*_mxfp8
+# scripts): the experts', latent attention's projections and the dense and shared MLPs';
+# the router, embedding and output head in bf16 (float32 for the router). cuDNN's fused
+# attention, as NVIDIA's runs (Transformer Engine) but in bf16 (theirs is FP8), its values
+# padded from 128 to the keys' 192 dims (model/attention.py).
 MODEL = dataclasses.replace(
   preset("deepseek-v3-671b"),
   aux_loss_coef=published.AUX_LOSS_COEF,
   capacity_factor=1.0,
   attention="cudnn",
+  block_scaling="mxfp8",
 )
 
 

@@ -1,12 +1,14 @@
 """Block-scaled weight matmuls: Blackwell's MXFP8 and NVFP4, forward and backward.
 
 `einsum(spec, x, w, fmt)` stands in for `jnp.einsum` on the block's weight matmuls (QKV,
-attention output, MLP), as model/fp8.py's does for per-tensor FP8. All three GEMMs of
-each (the forward, and the input and weight gradients) take block-scaled operands, each
-quantized along that GEMM's contraction axis, with a float32 accumulator; outputs are in
-the compute dtype. The rest of the model (embedding, output head, norms, attention's
-softmax and its two batched matmuls) stays in the compute dtype, as in the published
-recipes.
+attention output, MLP, latent attention's projections, model/mla.py), as model/fp8.py's
+does for per-tensor FP8, and on a stack of routed experts' (model/moe.py), whose expert
+axis is a batch axis: one GEMM an expert, each expert's operands quantized apart. All
+three GEMMs of each (the forward, and the input and weight gradients) take block-scaled
+operands, each quantized along that GEMM's contraction axis, with a float32 accumulator;
+outputs are in the compute dtype. The rest of the model (embedding, output head, norms,
+the MoE router, attention's softmax and its two batched matmuls) stays in the compute
+dtype (the router in float32), as in the published recipes.
 
 Formats (`FORMATS`; the OCP Microscaling spec for MXFP8, NVIDIA's for NVFP4):
 - mxfp8: E4M3 values, one power-of-two E8M0 scale per 32 values along the contraction
@@ -29,7 +31,8 @@ scan and the pipeline loops then read the stored values and scales instead of qu
 every weight again for each micro-batch, forward and backward (Transformer Engine caches
 its weight quantization across micro-batches for the same reason). That needs a kernel's
 last contracted and last output axes to split into blocks (`cacheable`: every kernel of
-the GPT-3 and Llama shapes); other kernels are quantized in each call.
+the GPT-3, Llama and DeepSeek-V3 shapes, the expert stacks [L, E, in, out] included);
+other kernels are quantized in each call.
 
 On a CUDA target the GEMM is `jax.nn.scaled_matmul`, which XLA compiles to cuDNN's
 block-scaled matmul (`__cudnn$blockScaledDot`) for Blackwell when the target's cuDNN is
@@ -45,7 +48,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn import scaled_matmul_stablehlo as cudnn_gemm  # jax 0.10.2's primitive
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from errors import UserInputError
 from model import matmul as dense
@@ -55,6 +62,9 @@ FORMAT_NAMES = ("mxfp8", "nvfp4")
 # The name each matmul's output carries, so that remat policies which keep matmul outputs
 # (model/gpt.py `none`, `save_dots`) keep these too: they are custom calls, not dots.
 OUTPUT_NAME = "block_scaled_matmul"
+# Matmuls with batch axes (a stack of experts'): saved where batched dots are (`none`), not
+# where only dots without batch dimensions are (`save_dots`).
+BATCHED_OUTPUT_NAME = "block_scaled_batched_matmul"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +100,8 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
     raise UserInputError(
       f"model.block_scaling = {fmt.name}: a [{R}, {K}] matmul operand does not split into "
       f"{tile_rows} x {fmt.block} blocks; each matmul's widths (per tensor rank) and tokens "
-      f"per micro-batch must be multiples of {fmt.block}"
+      f"per micro-batch (an expert's: sequences x capacity slots) must be multiples of "
+      f"{fmt.block}"
     )
   a = a.astype(jnp.float32)
   tiles = a.reshape(R // tile_rows, tile_rows, K // fmt.block, fmt.block)
@@ -127,7 +138,11 @@ def _dot(a: Quantized, b: Quantized, fmt: Format, dtype) -> jax.Array:
   emulated (dequantize, float32 matmul) elsewhere."""
 
   def cuda(av, bv, a_scales, b_scales):
-    return _cudnn(av[None], bv[None], a_scales[None], b_scales[None])[0]
+    # cuDNN writes the compute dtype, as Transformer Engine's GEMMs do: a partitioned GEMM's
+    # all-reduce of partial products then moves bf16, not float32 (512 GB200 DeepSeek-V3:
+    # 65.5 s a step with float32 outputs, 58.5 s with bf16).
+    gemm = _cudnn(jnp.dtype(dtype))
+    return gemm(av[None], bv[None], a_scales[None], b_scales[None])[0].astype(jnp.float32)
 
   def emulated(av, bv, a_scales, b_scales):
     a_full = dequantize(Quantized(av, a_scales, jnp.ones((), jnp.float32)), fmt)
@@ -140,37 +155,109 @@ def _dot(a: Quantized, b: Quantized, fmt: Format, dtype) -> jax.Array:
   return (out * (a.global_scale * b.global_scale)).astype(dtype)
 
 
-@jax.custom_batching.custom_vmap
-def _cudnn(av: jax.Array, bv: jax.Array, a_scales: jax.Array, b_scales: jax.Array) -> jax.Array:
+@functools.cache
+def _cudnn(out_type):
   """jax.nn.scaled_matmul on operands [..., M, K] and [..., N, K] whose leading axes are
-  batch axes, flattened into its one batch axis."""
-  lead = av.shape[:-2]
-  flat = [x.reshape(-1, *x.shape[-2:]) for x in (av, bv, a_scales, b_scales)]
-  return jax.nn.scaled_matmul(*flat).reshape(*lead, av.shape[-2], bv.shape[-2])
+  batch axes, flattened into its one batch axis; the output in `out_type`."""
+
+  @jax.custom_batching.custom_vmap
+  def gemm(av: jax.Array, bv: jax.Array, a_scales: jax.Array, b_scales: jax.Array):
+    lead = av.shape[:-2]
+    flat = [x.reshape(-1, *x.shape[-2:]) for x in (av, bv, a_scales, b_scales)]
+    out = _scaled_matmul(*flat, out_type)[0]
+    return out.reshape(*lead, av.shape[-2], bv.shape[-2])
+
+  @gemm.def_vmap
+  def _vmap(axis_size, in_batched, av, bv, a_scales, b_scales):
+    # scaled_matmul's own batching rule, and its SPMD partitioner, need every operand
+    # batched alike. Inside the model's vmaps (data replicas, context ranks, pipeline
+    # stages) a weight often is not: the mapped axis then joins the other operand's rows,
+    # as a shared weight's matmul batches.
+    a_batched, b_batched = in_batched[0], in_batched[1]
+    # Scales are made with their values, so they are batched alike.
+    assert in_batched[2] == a_batched and in_batched[3] == b_batched, in_batched
+    assert a_batched or b_batched, in_batched
+    if a_batched and b_batched:
+      return gemm(av, bv, a_scales, b_scales), True
+    if a_batched:  # [V, ..., M, K] x [..., N, K]: V M rows
+      rows = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
+      out = gemm(rows(av), bv, rows(a_scales), b_scales)  # [..., V M, N]
+      out = out.reshape(*out.shape[:-2], axis_size, -1, out.shape[-1])
+      return jnp.moveaxis(out, -3, 0), True
+    # [..., M, K] x [V, ..., N, K]: V N columns
+    cols = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
+    out = gemm(av, cols(bv), a_scales, cols(b_scales))  # [..., M, V N]
+    out = out.reshape(*out.shape[:-1], axis_size, -1)
+    return jnp.moveaxis(out, -2, 0), True
+
+  return gemm
 
 
-@_cudnn.def_vmap
-def _cudnn_vmap(axis_size, in_batched, av, bv, a_scales, b_scales):
-  # scaled_matmul's own batching rule, and its SPMD partitioner, need every operand
-  # batched alike. Inside the model's vmaps (data replicas, context ranks, pipeline
-  # stages) a weight often is not: the mapped axis then joins the other operand's rows,
-  # as a shared weight's matmul batches.
-  a_batched, b_batched = in_batched[0], in_batched[1]
-  # Scales are made with their values, so they are batched alike.
-  assert in_batched[2] == a_batched and in_batched[3] == b_batched, in_batched
-  assert a_batched or b_batched, in_batched
-  if a_batched and b_batched:
-    return _cudnn(av, bv, a_scales, b_scales), True
-  if a_batched:  # [V, ..., M, K] x [..., N, K]: V M rows
-    rows = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
-    out = _cudnn(rows(av), bv, rows(a_scales), b_scales)  # [..., V M, N]
-    out = out.reshape(*out.shape[:-2], axis_size, -1, out.shape[-1])
-    return jnp.moveaxis(out, -3, 0), True
-  # [..., M, K] x [V, ..., N, K]: V N columns
-  cols = lambda x: jnp.moveaxis(x, 0, -3).reshape(*x.shape[1:-2], -1, x.shape[-1])
-  out = _cudnn(av, cols(bv), a_scales, cols(b_scales))  # [..., M, V N]
-  out = out.reshape(*out.shape[:-1], axis_size, -1)
-  return jnp.moveaxis(out, -2, 0), True
+def _padded(spec, rank: int = 3) -> tuple:
+  return (*spec, *(None,) * (rank - len(spec)))
+
+
+def _mesh_axes(spec_entry) -> set:
+  if spec_entry is None:
+    return set()
+  return {spec_entry} if isinstance(spec_entry, str) else set(spec_entry)
+
+
+def _gemm_specs(lhs, rhs) -> tuple[tuple, tuple, tuple]:
+  """(lhs, rhs, output) specs [B, M, K], [B, N, K], [B, M, N] a partitioned GEMM runs with:
+  the batch as lhs's, a contraction split alike in both operands kept (partial products,
+  then an all-reduce), M and N kept where they use other mesh axes (M first)."""
+  batch, m, k = _padded(lhs.spec)
+  _, n, rhs_k = _padded(rhs.spec)
+  used = _mesh_axes(batch)
+  k = k if k is not None and k == rhs_k and not _mesh_axes(k) & used else None
+  used |= _mesh_axes(k)
+  m = m if not _mesh_axes(m) & used else None
+  used |= _mesh_axes(m)
+  n = n if not _mesh_axes(n) & used else None
+  return (batch, m, k), (batch, n, k), (batch, m, n)
+
+
+def _infer(out_type, mesh, shapes, result_shape):
+  lhs, rhs = shapes[0].sharding, shapes[1].sharding
+  return [NamedSharding(lhs.mesh, P(*_gemm_specs(lhs, rhs)[2]))]
+
+
+def _partition(out_type, mesh, shapes, result_shape):
+  lhs, rhs = shapes[0].sharding, shapes[1].sharding
+  lhs_spec, rhs_spec, out_spec = _gemm_specs(lhs, rhs)
+  k = lhs_spec[2]
+
+  def local(a, b, a_scales, b_scales):
+    out = cudnn_gemm._scaled_matmul_impl(a, b, a_scales, b_scales, out_type)
+    return [jax.lax.psum(out[0], k)] if k is not None else out
+
+  named = lambda spec: NamedSharding(lhs.mesh, P(*spec))
+  operands = (named(lhs_spec), named(rhs_spec), named(lhs_spec), named(rhs_spec))
+  return lhs.mesh, local, [named(out_spec)], operands
+
+
+@functools.partial(custom_partitioning, static_argnums=(4,))
+def _partitioned(av, bv, a_scales, b_scales, out_type):
+  return cudnn_gemm._scaled_matmul_impl(av, bv, a_scales, b_scales, out_type)
+
+
+_partitioned.def_partition(
+  infer_sharding_from_operands=_infer,
+  partition=_partition,
+  sharding_rule="b m k, b n k, b m k, b n k -> b m n",
+)
+
+
+def _scaled_matmul(av, bv, a_scales, b_scales, out_type) -> list[jax.Array]:
+  """jax.nn.scaled_matmul ([B, M, K] x [B, N, K] -> [B, M, N] in out_type) with another SPMD
+  partitioning rule. jax 0.10.2's all-reduces a contraction split over mesh axes only when
+  the rhs's rows are whole: the weight-gradient GEMM of a column-parallel weight (rows
+  split over `tensor`) with its tokens split over `expert` (DeepSeek-V3's attention
+  projections and shared experts at 512 GB200) then all-gathers both operands' tokens
+  instead, 291 GB a step. Here any contraction split alike in both operands is summed by
+  an all-reduce, and M and N keep their splits where they use other mesh axes."""
+  return _partitioned(av, bv, a_scales, b_scales, out_type)
 
 
 def _weight(w: jax.Array, fmt: Format) -> Quantized:
@@ -215,22 +302,24 @@ def _backward(fmt, residuals, g):
 _matmul.defvjp(_forward, _backward)
 
 
-def cacheable(stack_shape: tuple[int, ...], contracted: int, fmt: str) -> bool:
+def cacheable(stack_shape: tuple[int, ...], contracted: int, fmt: str, batch: int = 0) -> bool:
   """Whether `quantize_weights` can lay a weight's quantization out like it: its last
   contracted and last output axes split into blocks (else each matmul quantizes it)."""
   b = FORMATS[fmt].block
-  return stack_shape[contracted] % b == 0 and stack_shape[-1] % b == 0
+  return stack_shape[batch + contracted] % b == 0 and stack_shape[-1] % b == 0
 
 
-def quantize_weights(stack: jax.Array, contracted: int, fmt: str) -> CastWeight:
-  """A layer-stacked weight [L, in..., out...] (its first `contracted` axes after L are
-  contracted) with, per layer, the quantizations its forward and input-gradient GEMMs
-  read: CastWeight(stack, cast, global scales [L]). Each array of `cast` is laid out like
-  the weight, a block axis in place of the last `in` (or `out`) axis for the scales, so
-  that it shards as the weight does: (values, 16 x 16 tile scales) for NVFP4, (values and
-  scales along `in`, values and scales along `out`) for MXFP8."""
+def quantize_weights(stack: jax.Array, contracted: int, fmt: str, batch: int = 0) -> CastWeight:
+  """A layer-stacked weight [L, batch..., in..., out...] (its first `batch` axes after L
+  batch axes of its matmul, as a stack of experts' `e`, then `contracted` contracted axes)
+  with, per layer (and batch index), the quantizations its forward and input-gradient GEMMs
+  read: CastWeight(stack, cast, global scales [L, batch...]). Each array of `cast` is laid
+  out like the weight, a block axis in place of the last `in` (or `out`) axis for the
+  scales, so that it shards as the weight does: (values, 16 x 16 tile scales) for NVFP4,
+  (values and scales along `in`, values and scales along `out`) for MXFP8."""
   spec = FORMATS[fmt]
-  inner, outer = stack.shape[1 : 1 + contracted], stack.shape[1 + contracted :]
+  inner = stack.shape[1 + batch : 1 + batch + contracted]
+  outer = stack.shape[1 + batch + contracted :]
   K, N, b = math.prod(inner), math.prod(outer), spec.block
 
   def one(w):  # [in..., out...]
@@ -248,7 +337,9 @@ def quantize_weights(stack: jax.Array, contracted: int, fmt: str) -> CastWeight:
       by_n.scales.reshape(*inner, *outer[:-1], outer[-1] // b),
     ), forward
 
-  cast, forward = jax.vmap(one)(jax.lax.stop_gradient(stack))
+  for _ in range(1 + batch):  # the layer axis, then the batch axes
+    one = jax.vmap(one)
+  cast, forward = one(jax.lax.stop_gradient(stack))
   return CastWeight(stack, cast, forward.global_scale)
 
 
@@ -266,10 +357,45 @@ def _cached(w: CastWeight, K: int, N: int, spec: Format) -> tuple[Quantized, Qua
   return forward, Quantized(values_n.reshape(K, N), scales_n.reshape(K, N // b), w.scale)
 
 
+def einsum_for(fmt: str):
+  """The einsum a weight matmul runs in `fmt`: block-scaled, or jnp.einsum for "none" (the
+  compute dtype; model/mla.py's projections and model/moe.py's experts)."""
+  return jnp.einsum if fmt == "none" else functools.partial(einsum, fmt=fmt)
+
+
+def batch_axes(spec: str) -> str:
+  """The batch axes of a weight matmul's spec: in x, w and the output (the expert axis `e`
+  of a stack of experts' "becd,edgf->becgf"); "" for a shared weight's."""
+  xs, ws, out = dense.split(spec)
+  return "".join(a for a in xs if a in ws and a in out)
+
+
 def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str) -> jax.Array:
   """jnp.einsum(spec, x, w) with block-scaled GEMMs, for x [tokens..., in...] and
-  w [in..., out...] (every weight matmul of the block); w may carry its quantizations
-  (`quantize_weights`)."""
+  w [in..., out...] (every weight matmul of the block), or with batch axes in x, w and
+  the output, leading in w (a stack of experts, w [e, in..., out...]: one GEMM an expert);
+  w may carry its quantizations (`quantize_weights`, its batch axes leading too). The
+  output is named OUTPUT_NAME, or BATCHED_OUTPUT_NAME with batch axes."""
+  batch = batch_axes(spec)
+  y = _einsum(spec, x, w, fmt, batch)
+  return checkpoint_name(y, BATCHED_OUTPUT_NAME if batch else OUTPUT_NAME)
+
+
+def _einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str, batch: str):
+  if batch:
+    # One GEMM per batch index: the batch axes moved to the front of x and vmapped over
+    # (the vmap rule of `_cudnn`'s GEMM makes them the batch axis of cuDNN's).
+    xs, ws, out = dense.split(spec)
+    if not ws.startswith(batch):
+      raise ValueError(f"block-scaled einsum: {spec!r} has batch axes {batch!r} not leading in w")
+    drop = lambda axes: "".join(a for a in axes if a not in batch)
+    inner = f"{drop(xs)},{drop(ws)}->{drop(out)}"
+    x = jnp.moveaxis(x, [xs.index(a) for a in batch], range(len(batch)))
+    run = lambda x, w: _einsum(inner, x, w, fmt, "")
+    for _ in batch:
+      run = jax.vmap(run)
+    y = run(x, w)  # [batch..., rest of out...]
+    return jnp.moveaxis(y, range(len(batch)), [out.index(a) for a in batch])
   axes = dense.weight_axes(spec)
   if axes is None:
     raise ValueError(f"block-scaled einsum: {spec!r} is not [tokens, in] x [in, out]")
@@ -280,4 +406,4 @@ def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str) -> jax.
   flat = weight.reshape(inner, -1)  # [K, N]
   cached = _cached(w, *flat.shape, FORMATS[fmt]) if isinstance(w, CastWeight) else None
   y = _matmul(FORMATS[fmt], x.reshape(rows, inner), flat, cached)
-  return checkpoint_name(y.reshape(*lead, *weight.shape[len(contracted) :]), OUTPUT_NAME)
+  return y.reshape(*lead, *weight.shape[len(contracted) :])

@@ -289,11 +289,11 @@ class ModelConfig:
         "model.kv_lora_rank > 0 (latent attention) needs model.positions=rope, "
         "model.norm=rmsnorm and model.use_bias=false"
       )
-    if self.fp8 or self.block_scaling != "none" or self.sequence_parallel:
+    if self.fp8 or self.sequence_parallel:
       raise UserInputError(
-        "model.kv_lora_rank > 0 (latent attention) runs in the compute dtype without "
-        "sequence parallelism: set model.fp8=false, model.block_scaling=none and "
-        "model.sequence_parallel=false"
+        "model.kv_lora_rank > 0 (latent attention) runs without per-tensor FP8 and without "
+        "sequence parallelism: set model.fp8=false (model.block_scaling=mxfp8 or nvfp4 is "
+        "allowed) and model.sequence_parallel=false"
       )
 
   def _validate_moe(self) -> None:
@@ -343,16 +343,17 @@ class ModelConfig:
       )
     if not self.router_scale > 0:
       raise UserInputError(f"model.router_scale must be positive, got {self.router_scale}")
-    # What model/moe.py builds: SwiGLU experts without biases, in the compute dtype.
+    # What model/moe.py builds: SwiGLU experts without biases, in the compute dtype or
+    # block-scaled.
     if self.mlp != "swiglu" or self.use_bias:
       raise UserInputError(
         "model.num_experts > 0 needs model.mlp=swiglu and model.use_bias=false "
         "(the experts are SwiGLU without biases)"
       )
-    if self.fp8 or self.block_scaling != "none":
+    if self.fp8:
       raise UserInputError(
-        "model.num_experts > 0 runs its matmuls in the compute dtype: set "
-        "model.fp8=false and model.block_scaling=none (--set precision=bf16)"
+        "model.fp8 = true: model.num_experts > 0 has no per-tensor FP8 path; set "
+        "model.fp8=false, or model.block_scaling=mxfp8 or nvfp4 (--set precision=mxfp8)"
       )
 
   def validate_context(self, context: int, tensor: int, pipeline: int) -> None:

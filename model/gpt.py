@@ -40,10 +40,13 @@ _REMAT = {
   # Block-scaled matmuls are custom calls, not dots: their outputs are saved by name.
   "none": jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_saveable,
-    jax.checkpoint_policies.save_only_these_names(block_scaled.OUTPUT_NAME),
+    jax.checkpoint_policies.save_only_these_names(
+      block_scaled.OUTPUT_NAME, block_scaled.BATCHED_OUTPUT_NAME
+    ),
   ),
   "full": jax.checkpoint_policies.nothing_saveable,
-  # Saves Q/K/V, projections and MLP matmul outputs; attention scores are recomputed.
+  # Saves Q/K/V, projections and MLP matmul outputs; attention scores and the routed
+  # experts' batched matmuls (block-scaled or not) are recomputed.
   "save_dots": jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     jax.checkpoint_policies.save_only_these_names(block_scaled.OUTPUT_NAME),
@@ -65,6 +68,11 @@ GROUPED_QUERY_KERNELS = ("q_kernel", "kv_kernel", "out_kernel", "fc1_kernel", "f
 # Axes of a kernel (after the layer axis) that its matmul contracts: the attention
 # output's heads and head features; one (the input features) for the others.
 _CONTRACTED_AXES = {"out_kernel": 2}
+# Weight matmuls besides `kernels`' that block scaling runs: latent attention's projections
+# (model/mla.py) and the routed experts' stacks (model/moe.py), whose expert axis (after the
+# layer axis) is a batch axis of their matmuls. The router stays in float32.
+_LATENT_KERNELS = ("q_down", "q_up", "q_kernel", "kv_down", "kv_up")
+_BATCH_AXES = {"expert_fc1": 1, "expert_fc2": 1}
 
 
 def kernels(cfg: ModelConfig) -> tuple[str, ...]:
@@ -433,16 +441,28 @@ class GPT(nnx.Module):
         axes = getattr(self.layers, name).get_metadata()["axes"]
         params[name] = w._replace(cast=constrain(w.cast, axes))
     elif self.cfg.block_scaling != "none":
-      for name in kernels(self.cfg):
-        contracted = _CONTRACTED_AXES.get(name, 1)
-        if not block_scaled.cacheable(params[name].shape, contracted, self.cfg.block_scaling):
-          continue
-        w = block_scaled.quantize_weights(params[name], contracted, self.cfg.block_scaling)
-        # Laid out like the kernel: gathered whole as it is (see the FP8 case above).
-        axes = getattr(self.layers, name).get_metadata()["axes"]
-        params[name] = w._replace(cast=tuple(constrain(c, axes) for c in w.cast))
+      params = self._block_scaled(self.layers, params)
+      if "dense_prefix" in params:
+        params["dense_prefix"] = self._block_scaled(self.dense_layers, params["dense_prefix"])
     if self.adapters is not None:
       params = lora.adapted(self.layers, params, scales or {}, self.adapters, dropout_key)
+    return params
+
+  def _block_scaled(self, layers: Layers, params: dict) -> dict:
+    """params (one stack's, in the compute dtype) with each block-scaled weight matmul's
+    kernel carrying its quantizations, made once a step (block_scaled.quantize_weights),
+    where its shape allows (`cacheable`; otherwise each matmul quantizes it)."""
+    fmt, params = self.cfg.block_scaling, dict(params)
+    for name in dict.fromkeys((*kernels(self.cfg), *_LATENT_KERNELS, *_BATCH_AXES)):
+      if name not in params:
+        continue
+      contracted, batch = _CONTRACTED_AXES.get(name, 1), _BATCH_AXES.get(name, 0)
+      if not block_scaled.cacheable(params[name].shape, contracted, fmt, batch):
+        continue
+      w = block_scaled.quantize_weights(params[name], contracted, fmt, batch)
+      # Laid out like the kernel: gathered whole as it is (see the FP8 case above).
+      axes = getattr(layers, name).get_metadata()["axes"]
+      params[name] = w._replace(cast=tuple(constrain(c, axes) for c in w.cast))
     return params
 
   def embed(self, tokens: jax.Array) -> jax.Array:
@@ -465,6 +485,8 @@ class GPT(nnx.Module):
     params = {
       n: self._cast(v) for n, v in vars(self.dense_layers).items() if isinstance(v, nnx.Param)
     }
+    if self.cfg.block_scaling != "none":
+      params = self._block_scaled(self.dense_layers, params)
     return run_layers(self.cfg.dense_prefix(), x, params)
 
   def head(self, x: jax.Array) -> jax.Array:

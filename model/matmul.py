@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _split(spec: str) -> tuple[str, str, str]:
+def split(spec: str) -> tuple[str, str, str]:
   inputs, out = spec.split("->")
   x, w = inputs.split(",")
   return x, w, out
@@ -27,7 +27,7 @@ def _split(spec: str) -> tuple[str, str, str]:
 def weight_axes(spec: str) -> tuple[str, str, str] | None:
   """(token, contracted, output) axes of a weight matmul's spec when it is
   [tokens, in] x [in, out] -> [tokens, out] (every matmul of the block), else None."""
-  xs, ws, out = _split(spec)
+  xs, ws, out = split(spec)
   tokens = "".join(a for a in xs if a not in ws)
   contracted, features = xs[len(tokens) :], out[len(tokens) :]
   if xs != tokens + contracted or ws != contracted + features or out != tokens + features:
@@ -48,7 +48,7 @@ def _forward(spec, x, w):
 
 def _backward(spec, residuals, g):
   x, w = residuals
-  xs, ws, out = _split(spec)
+  xs, ws, out = split(spec)
   dx = jnp.einsum(f"{out},{ws}->{xs}", g, w)
 
   def autodiff(x, g):

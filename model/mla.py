@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import rope
+from model import block_scaled, rope
 from model.config import ModelConfig
 from model.norms import rms_norm
 from parallelism.rules import constrain
@@ -55,15 +55,17 @@ def qkv(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, 
   v [B, T, H, V]."""
   K, Rkv, Rr = cfg.head_dim, cfg.kv_lora_rank, cfg.rope_head_dim
   heads = ("batch", "length", "act_heads", None)
+  # The projections are weight matmuls like the block's: block-scaled with block scaling.
+  matmul = block_scaled.einsum_for(cfg.block_scaling)
   if cfg.q_lora_rank:
-    cq = rms_norm(jnp.einsum("btd,dr->btr", h, p["q_down"]), p["q_norm_scale"], cfg.norm_eps)
-    q = jnp.einsum("btr,rhk->bthk", cq, p["q_up"])
+    cq = rms_norm(matmul("btd,dr->btr", h, p["q_down"]), p["q_norm_scale"], cfg.norm_eps)
+    q = matmul("btr,rhk->bthk", cq, p["q_up"])
   else:
-    q = jnp.einsum("btd,dhk->bthk", h, p["q_kernel"])
+    q = matmul("btd,dhk->bthk", h, p["q_kernel"])
   q = constrain(q, heads)
-  latent = jnp.einsum("btd,dr->btr", h, p["kv_down"])  # [B, T, R_kv + R_r]
+  latent = matmul("btd,dr->btr", h, p["kv_down"])  # [B, T, R_kv + R_r]
   ckv = rms_norm(latent[..., :Rkv], p["kv_norm_scale"], cfg.norm_eps)
-  kv = constrain(jnp.einsum("btr,rhk->bthk", ckv, p["kv_up"]), heads)  # [B, T, H, K + V]
+  kv = constrain(matmul("btr,rhk->bthk", ckv, p["kv_up"]), heads)  # [B, T, H, K + V]
   rotary = dataclasses.replace(cfg, head_dim=Rr)
   q_rope = rope.rotate(q[..., K:], rotary)
   k_rope = rope.rotate(latent[..., None, Rkv:], rotary)  # [B, T, 1, R_r]: shared by the heads

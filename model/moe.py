@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from errors import UserInputError
+from model import block_scaled
 from model.config import ModelConfig
 from parallelism import pipeline
 from parallelism.rules import constrain
@@ -247,10 +248,12 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   # Batch-split -> expert-split: the dispatch all-to-all.
   expert_axes = ("expert_batch", "act_expert", None, None)
   buffer = constrain(buffer, expert_axes)
-  up = jnp.einsum("becd,edgf->becgf", buffer, p["expert_fc1"])
+  # One GEMM an expert (the expert axis a batch axis), block-scaled with block scaling.
+  matmul = block_scaled.einsum_for(cfg.block_scaling)
+  up = matmul("becd,edgf->becgf", buffer, p["expert_fc1"])
   up = constrain(up, ("expert_batch", "act_expert", None, None, "act_mlp"))
   act = jax.nn.silu(up[..., 0, :]) * up[..., 1, :]  # [B, E, C, F]
-  out = constrain(jnp.einsum("becf,efd->becd", act, p["expert_fc2"]), expert_axes)
+  out = constrain(matmul("becf,efd->becd", act, p["expert_fc2"]), expert_axes)
   # Expert-split -> batch-split: the combine all-to-all.
   out = constrain(out, ("batch", None, None, None)).reshape(B, E * C, D)
   y = combine(out, slot, gates)

@@ -139,6 +139,46 @@ def test_weights_quantized_once_a_step_give_the_same_products(fmt):
     np.testing.assert_allclose(a, b, rtol=REDUCTION_RTOL, atol=REDUCTION_RTOL * np.abs(b).max())
 
 
+@pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
+def test_expert_stacks_run_one_block_scaled_gemm_an_expert(fmt):
+  # A stack of 3 experts' up-projections [L, E, D, 2, F] (one layer), the expert axis a
+  # batch axis of the matmul ("becd,edgf->becgf", model/moe.py): within the format's error
+  # of jnp.einsum, forward and both gradients, like a shared weight's (MATMUL_RTOL); its
+  # quantizations made once a step (quantize_weights with a batch axis) give the products
+  # of those made in each call (REDUCTION_RTOL, as above); each expert quantized apart: a
+  # 1000x larger expert leaves the others' products as accurate.
+  spec = "becd,edgf->becgf"
+  kx, kw, kg = jax.random.split(jax.random.key(4), 3)
+  x = jax.random.normal(kx, (2, 3, 32, 64))
+  stack = jax.random.normal(kw, (1, 3, 64, 2, 32)) * 0.1
+  stack = stack.at[:, 0].multiply(1000.0)
+  g = jax.random.normal(kg, (2, 3, 32, 2, 32))
+  assert block_scaled.batch_axes(spec) == "e"
+  assert block_scaled.cacheable(stack.shape, 1, fmt, batch=1)
+
+  def total(matmul, stack, x, once):
+    quantized = block_scaled.quantize_weights(stack, 1, fmt, batch=1) if once else None
+    w = jax.tree.map(lambda a: a[0], quantized) if once else stack[0]
+    return jnp.vdot(matmul(spec, x, w), g)
+
+  scaled = lambda s, x, w: block_scaled.einsum(s, x, w, fmt)
+  grads = lambda matmul, once: jax.jit(
+    jax.value_and_grad(lambda s, x: total(matmul, s, x, once), argnums=(0, 1))
+  )(stack, x)
+  once, per_call = grads(scaled, True), grads(scaled, False)
+  for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_call)):
+    np.testing.assert_allclose(a, b, rtol=REDUCTION_RTOL, atol=REDUCTION_RTOL * np.abs(b).max())
+  exact = grads(lambda s, x, w: jnp.einsum(s, x, w), False)[1]
+  forward = jax.jit(lambda x, w: block_scaled.einsum(spec, x, w, fmt))(x, stack[0])
+  for e in range(3):  # each expert's product and gradients
+    errors = [
+      _relative(forward[:, e], jnp.einsum(spec, x, stack[0])[:, e]),
+      _relative(per_call[1][0][:, e], exact[0][:, e]),
+      _relative(per_call[1][1][:, e], exact[1][:, e]),
+    ]
+    assert max(errors) < MATMUL_RTOL[fmt], (e, errors)
+
+
 def _losses(model, steps: int, mesh=MeshConfig(data=-1), devices: int = 1) -> list[float]:
   exp = ExperimentConfig(
     name="block_scaled",
