@@ -238,17 +238,6 @@ def _partition(out_type, mesh, shapes, result_shape):
 
 
 @functools.partial(custom_partitioning, static_argnums=(4,))
-def _partitioned(av, bv, a_scales, b_scales, out_type):
-  return cudnn_gemm._scaled_matmul_impl(av, bv, a_scales, b_scales, out_type)
-
-
-_partitioned.def_partition(
-  infer_sharding_from_operands=_infer,
-  partition=_partition,
-  sharding_rule="b m k, b n k, b m k, b n k -> b m n",
-)
-
-
 def _scaled_matmul(av, bv, a_scales, b_scales, out_type) -> list[jax.Array]:
   """jax.nn.scaled_matmul ([B, M, K] x [B, N, K] -> [B, M, N] in out_type) with another SPMD
   partitioning rule. jax 0.10.2's all-reduces a contraction split over mesh axes only when
@@ -257,7 +246,14 @@ def _scaled_matmul(av, bv, a_scales, b_scales, out_type) -> list[jax.Array]:
   projections and shared experts at 512 GB200) then all-gathers both operands' tokens
   instead, 291 GB a step. Here any contraction split alike in both operands is summed by
   an all-reduce, and M and N keep their splits where they use other mesh axes."""
-  return _partitioned(av, bv, a_scales, b_scales, out_type)
+  return cudnn_gemm._scaled_matmul_impl(av, bv, a_scales, b_scales, out_type)
+
+
+_scaled_matmul.def_partition(
+  infer_sharding_from_operands=_infer,
+  partition=_partition,
+  sharding_rule="b m k, b n k, b m k, b n k -> b m n",
+)
 
 
 def _weight(w: jax.Array, fmt: Format) -> Quantized:
