@@ -73,9 +73,14 @@ _FORMAT = 2
 _CODE_PACKAGES = ("model", "parallelism", "train", "projection", "hardware")
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
 
-_FILL, _STEADY, _DRAIN = (
+_FILL, _STEADY, _DRAIN, _REDUCE = (
   re.compile(rf"(^|[/(]){re.escape(scope)}\)*/while$")
-  for scope in (one_f_one_b.FILL_SCOPE, one_f_one_b.STEADY_SCOPE, one_f_one_b.DRAIN_SCOPE)
+  for scope in (
+    one_f_one_b.FILL_SCOPE,
+    one_f_one_b.STEADY_SCOPE,
+    one_f_one_b.DRAIN_SCOPE,
+    one_f_one_b.DRAIN_REDUCE_SCOPE,
+  )
 )
 
 
@@ -271,15 +276,20 @@ def at_trips(
   program: hlo.Program, micro_batches: int, stages: int, virtual_stages: int
 ) -> hlo.Program:
   """`program`'s 1f1b loops run as the schedule of (M, P, V) runs them: fill V P + P - 1
-  trips, the loop over groups M / P - 1, each steady loop P V, drain P V + P - 1."""
+  trips, the loop over groups M / P - 1, each steady loop P V, drain P V + P - 1 (of them
+  the last (V - 1) P in a loop of their own where they reduce gradients)."""
   plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
+  reducing = any(isinstance(n, hlo.Loop) and _REDUCE.search(n.op_name) for n in program.entry)
+  drain_trips = plan.drain_trips - (plan.reducing_trips if reducing else 0)
   found = {"fill": 0, "groups": 0, "drain": 0}
   entry = []
   for node in program.entry:
     if isinstance(node, hlo.Loop) and _FILL.search(node.op_name):
       node, found["fill"] = dataclasses.replace(node, trip_count=plan.delay), 1
     elif isinstance(node, hlo.Loop) and _DRAIN.search(node.op_name):
-      node, found["drain"] = dataclasses.replace(node, trip_count=plan.drain_trips), 1
+      node, found["drain"] = dataclasses.replace(node, trip_count=drain_trips), 1
+    elif isinstance(node, hlo.Loop) and _REDUCE.search(node.op_name):
+      node = dataclasses.replace(node, trip_count=plan.reducing_iterations)
     elif isinstance(node, hlo.Loop) and any(
       isinstance(n, hlo.Loop) and _STEADY.search(n.op_name) for n in node.body
     ):
