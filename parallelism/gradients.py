@@ -87,6 +87,9 @@ class Plan:
   passes: int  # lockstep pipeline passes; 1 otherwise
   num_layers: int = 0  # model.num_layers (pipelined: whether the split is uneven); 0: even
   context_ranks: int = 1  # mesh context: each rank's slab of every sequence mapped apart
+  # ((layer weight name, the layout of its gradient [L, ...]), ...): with 1f1b, the weight
+  # gradients to reduce over `data` during the drain (one_f_one_b.run's reduce_specs)
+  reduce_specs: tuple = ()
 
   @property
   def pipelined(self) -> bool:
@@ -113,15 +116,27 @@ def plan(
   schedule: str,
   passes: int,
   context_ranks: int = 1,
+  reduce_specs: tuple = (),
 ) -> Plan:
   """The plan of a step; bad pipeline shapes raise UserInputError naming the field.
-  passes: train.pipeline_passes (0: pipeline.passes chooses)."""
+  passes: train.pipeline_passes (0: pipeline.passes chooses). reduce_specs: see Plan,
+  kept for the 1f1b schedule with data-parallel replicas only."""
   if stages == 1:
     return Plan(schedule, stages, virtual_stages, replicas, micro_batches, 1, 0, context_ranks)
   passes = pipeline.passes(passes, micro_batches, stages, schedule)
   pipeline.check(num_layers, stages, virtual_stages, micro_batches, passes, schedule)
+  if schedule != "1f1b" or replicas == 1:
+    reduce_specs = ()
   return Plan(
-    schedule, stages, virtual_stages, replicas, micro_batches, passes, num_layers, context_ranks
+    schedule,
+    stages,
+    virtual_stages,
+    replicas,
+    micro_batches,
+    passes,
+    num_layers,
+    context_ranks,
+    reduce_specs,
   )
 
 
@@ -142,7 +157,8 @@ def strategy(plan: Plan, pieces: LossPieces) -> LossAndGrads:
     pieces = pieces._replace(loss=lambda logits, targets: whole_loss(logits, targets) / slabs)
   if plan.pipelined:
     replica = _one_f_one_b if plan.schedule == "1f1b" else _lockstep
-    return _over_replicas(replica(plan, pieces), plan.replicas, plan.context_ranks)
+    reduced = _drain_reduced(plan, pieces) if plan.schedule == "1f1b" else None
+    return _over_replicas(replica(plan, pieces), plan.replicas, plan.context_ranks, reduced)
   plain = _loss_and_grads(_whole_model_loss(pieces))
   if plan.micro_batches > 1:
     whole = plain
@@ -201,7 +217,34 @@ def _whole_model_loss(pieces: LossPieces) -> Callable[[Params, Scales, Batch], j
   return loss_fn
 
 
-def _over_replicas(replica: LossAndGrads, replicas: int, context_ranks: int) -> LossAndGrads:
+def _drain_reduced(plan: Plan, pieces: LossPieces) -> Callable[[Params], dict]:
+  """params -> {layer weight name: the layout of its gradient} for the weights whose
+  gradients the 1F1B drain reduces over the replicas (one_f_one_b.drain_reduced)."""
+  specs = dict(plan.reduce_specs)
+
+  def reduced(params):
+    layers = pieces.split_params(params)[1]
+    weights = {n: layers[n] for n in specs if n in layers}
+    names = one_f_one_b.drain_reduced(weights, specs, plan.virtual_stages)
+    return {n: specs[n] for n in names}
+
+  return reduced
+
+
+def _is_layer_weight(path, names) -> str | None:
+  """The layer weight name a parameter tree path is of (params["layers"][name]), if in names."""
+  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  if len(keys) >= 2 and keys[0] == "layers" and keys[1] in names:
+    return keys[1]
+  return None
+
+
+def _over_replicas(
+  replica: LossAndGrads,
+  replicas: int,
+  context_ranks: int,
+  reduced: Callable[[Params], dict] | None = None,
+) -> LossAndGrads:
   """replica (one data-parallel replica's rows [B/R, T], or with context ranks one rank's
   slab of them [B/R, T/CP], `context.slabs`) over the R replicas of mesh `data` and the CP
   ranks of `context`, vmapped with the weights unbatched: each replica's and slab's
@@ -234,7 +277,17 @@ def _over_replicas(replica: LossAndGrads, replicas: int, context_ranks: int) -> 
   def loss_and_grads(params, scales, batch):
     with rules.vmapped(*(axis for _, axis in mapped)):
       loss, (grads, amaxes) = fn(params, scales, jax.tree.map(layout, batch))
-    return mean(loss), (jax.tree.map(mean, grads), jax.tree.map(over(jax.lax.max), amaxes))
+    specs = reduced(params) if reduced is not None else {}
+    axes = tuple(axis for _, axis in mapped)
+
+    def combine(path, g):
+      name = _is_layer_weight(path, specs)
+      if name is None:
+        return mean(g)
+      return one_f_one_b.join_reduced(g, specs[name], axes) / replicas
+
+    grads = jax.tree_util.tree_map_with_path(combine, grads)
+    return mean(loss), (grads, jax.tree.map(over(jax.lax.max), amaxes))
 
   return loss_and_grads
 
@@ -321,6 +374,8 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
 
     (x, stack), front_vjp = jax.vjp(front, params)
     weights, constants, stack_scales = pieces.split_stack(stack)
+    reduce_specs = dict(plan.reduce_specs)
+    reduced = one_f_one_b.drain_reduced(weights, reduce_specs, virtual)
 
     def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
       def group_loss(rest, ys):
@@ -344,15 +399,23 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       pieces.activation_axes,
       _active_rows(plan),
       pieces.zero_idle_grads,
+      reduce_specs,
     )
+    # The drain's reduced gradients are blocks of the replicas' sum, not this replica's
+    # gradient: they bypass the embedding's vjp (identity on the layer weights, whose
+    # compute and parameter dtypes train/step.py requires equal) and come out as they are.
+    shards = {n: d_weights[n] for n in reduced}
+    d_weights = {**d_weights, **{n: jnp.zeros_like(weights[n]) for n in reduced}}
     zeros = jax.tree.map(jnp.zeros_like, (constants, stack_scales))
     grads = front_vjp((d_x, pieces.join_stack(d_weights, *zeros)))[0]
     head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
-    return loss, (
-      jax.tree_util.tree_map_with_path(
-        lambda path, g: g + head_grads[path] if path in head_grads else g, grads
-      ),
-      amaxes,
-    )
+
+    def combine(path, g):
+      name = _is_layer_weight(path, shards)
+      if name is not None:
+        return shards[name]
+      return g + head_grads[path] if path in head_grads else g
+
+    return loss, (jax.tree_util.tree_map_with_path(combine, grads), amaxes)
 
   return replica

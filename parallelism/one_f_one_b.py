@@ -35,6 +35,14 @@ rank keeps at most D + P forward chunks' residuals (a slot read backward is reus
 the next trip): P + (2 P - 1) / V micro-batches' worth of its layers, against about
 P + (P - 1) / V in Megatron's schedule, whose head runs inside the pipeline.
 
+With `reduce_specs` (Megatron's distributed optimizer with --overlap-grad-reduce) the
+weight gradients are reduce-scattered over `data` (and summed over `context`) while the
+drain still computes, not after the step: every chunk's last backward runs in the last
+group, so chunk V-1-k is final on every rank after drain trip k P + 2 P - 2 (rank 0 is
+last). The drain's last (V - 1) P trips run as a loop of V - 1 iterations of P trips
+(DRAIN_REDUCE_SCOPE), iteration k reduce-scattering chunk V-1-k beside its trips'
+backward. Chunk 0 is final only after the last trip: it is reduced after the loop.
+
 The backward is jax.vjp's: a forward chunk's vjp is a pytree whose leaves are its
 residuals (what the remat policy saves, the chunk input among them); they go into the
 slots, except the leaves that are the chunk's weights themselves, which are sliced again.
@@ -58,6 +66,8 @@ from parallelism.pipeline import MESH_AXIS, pin
 FILL_SCOPE = "pipeline_fill"
 STEADY_SCOPE = "pipeline_steady"
 DRAIN_SCOPE = "pipeline_drain"
+# The drain's last (V - 1) P trips when they reduce gradients (`reduce_specs`).
+DRAIN_REDUCE_SCOPE = "pipeline_drain_reduce"
 
 # Columns of the schedule table, one row per trip and rank.
 (
@@ -85,6 +95,11 @@ class _Carry(NamedTuple):
   outs: jax.Array  # the current group's last-layer outputs [P, P + 1, b, ...] (rank P-1's)
   dys: jax.Array  # their loss gradients [P, P, b, ...] (for rank P-1)
   d_inputs: jax.Array  # input gradients by micro-batch [P, M + 1, b, ...] (rank 0's)
+  # In the drain's reducing loop (`reduce_specs`), else None: {weight: the rows of the
+  # final chunk its next iteration reduce-scatters}, and {weight: the gradient summed over
+  # `data` and `context`, this replica's block of the scatter dimension [P, V C, ...]}
+  parts: Any = None
+  reduced: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +125,16 @@ class Schedule:
   @property
   def drain_trips(self) -> int:
     return self.group_trips + self.stages - 1
+
+  @property
+  def reducing_trips(self) -> int:
+    """The drain's last trips, which reduce the final chunks' gradients: a loop
+    (DRAIN_REDUCE_SCOPE) of `reducing_iterations`, `stages` trips each."""
+    return self.reducing_iterations * self.stages
+
+  @property
+  def reducing_iterations(self) -> int:
+    return self.virtual_stages - 1
 
 
 @functools.lru_cache(maxsize=32)
@@ -238,6 +263,171 @@ def _add_rows(totals: Any, parts: Any, first: jax.Array) -> Any:
   )(totals, parts, first)
 
 
+DATA, CONTEXT = "data", "context"
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _without_data(spec: PartitionSpec) -> PartitionSpec:
+  def entry(e):
+    axes = tuple(a for a in _entry_axes(e) if a != DATA)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+  return PartitionSpec(*(entry(e) for e in spec))
+
+
+def scatter_dim(shape: Sequence[int], spec: PartitionSpec) -> int | None:
+  """The dimension of a stacked weight [L, ...] that `data` splits in the layout `spec` of
+  its reduced gradient (`data` last in its axes: sharding.over_data), where the drain
+  reduces its gradient; None where the step reduces it after the pipeline as before
+  (`data` splits no dimension past the stack's, or the stack is not split over `pipeline`)."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  with_data = [d for d, e in enumerate(spec) if DATA in _entry_axes(e)]
+  if len(with_data) != 1 or with_data[0] == 0 or spec[0] != MESH_AXIS:
+    return None
+  return with_data[0]
+
+
+def drain_reduced(
+  weights: Any, reduce_specs: dict[str, PartitionSpec] | None, virtual_stages: int
+) -> dict[str, int]:
+  """{weight name: its `scatter_dim`} of the stacked weights [L, ...] (a dict) whose
+  gradients `run` reduces in the drain: none without virtual stages, whose drain has no
+  trip after a chunk is final but before the last."""
+  if virtual_stages < 2 or not reduce_specs or not isinstance(weights, dict):
+    return {}
+  dims = {n: scatter_dim(weights[n].shape, s) for n, s in reduce_specs.items() if n in weights}
+  return {n: d for n, d in dims.items() if d is not None}
+
+
+def _past_replicas(make: Callable[[int], Callable], offset: int = 0) -> Callable:
+  """make(offset)(*arrays, first), arrays with `offset` leading axes before their
+  [P, V C, ...], under the replicas' vmaps: a mapped array's axis becomes one more leading
+  axis (as in `_row_adder`: vmapped, the scalar-index slices would become gathers and
+  scatters that copy the buffers)."""
+  fn = jax.custom_batching.custom_vmap(make(offset))
+
+  @fn.def_vmap
+  def _(axis_size, in_batched, *args):
+    if in_batched[-1]:
+      raise NotImplementedError("the drain reduces the same rows on every replica")
+    arrays = [
+      a if mapped else jnp.broadcast_to(a, (axis_size, *a.shape))
+      for a, mapped in zip(args[:-1], in_batched[:-1])
+    ]
+    return _past_replicas(make, offset + 1)(*arrays, args[-1]), True
+
+  return fn
+
+
+def _rows_at(ndim: int, offset: int, first) -> list:
+  # [replicas' vmaps..., P, V C, ...]: the rows are the axis after the rank's.
+  start = [0] * ndim
+  start[offset + 1] = first
+  return start
+
+
+def _taker(rows: int) -> Callable[[int], Callable]:
+  """grad, first -> rows first .. first + rows - 1 of one device's gradient [P, V C, ...]."""
+
+  def make(offset):
+    def take(grad, first):
+      size = list(grad.shape)
+      size[offset + 1] = rows
+      return jax.lax.dynamic_slice(grad, _rows_at(grad.ndim, offset, first), size)
+
+    return take
+
+  return make
+
+
+def _scatterer(scatter: int, context: bool, wire) -> Callable[[int], Callable]:
+  """part, reduced, first -> reduced with the rows `part` (`_taker`'s) reduce-scattered over
+  `data` along dimension `scatter` of [P, V C, ...] (and summed over `context`) in place."""
+
+  def make(offset):
+    def reduce(part, reduced, first):
+      summed = jax.lax.psum_scatter(
+        part.astype(wire or part.dtype), DATA, scatter_dimension=offset + scatter, tiled=True
+      )
+      if context:
+        summed = jax.lax.psum(summed, CONTEXT)
+      start = _rows_at(reduced.ndim, offset, first)
+      return jax.lax.dynamic_update_slice(reduced, summed.astype(reduced.dtype), start)
+
+    return reduce
+
+  return make
+
+
+def _on_blocks(local: Callable, specs: dict, arrays: tuple[dict, ...], first) -> dict:
+  """local(*arrays, first) on each device's blocks: a shard_map manual over every mesh
+  axis, each dict of arrays [P, V C, ...] laid out by the [L, ...] specs less `data`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  names = sorted(arrays[0])
+  # [L, ...] -> [P, V C, ...]: the stack's dimension splits into ranks and rows.
+  spec = {n: PartitionSpec(MESH_AXIS, None, *_without_data(specs[n])[1:]) for n in names}
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(*(spec for _ in arrays), PartitionSpec()),
+    out_specs=spec,
+    axis_names=frozenset(mesh.axis_names),
+    check_vma=False,
+  )(*({n: a[n] for n in names} for a in arrays), first)
+
+
+def _take_rows(grads: dict, dims: dict, specs: dict, first, rows: int) -> dict:
+  """{weight: rows first .. first + rows - 1 of its gradient [P, V C, ...]}, for the weights
+  of `dims`."""
+  take = _past_replicas(_taker(rows))
+  return _on_blocks(
+    lambda g, first: {n: take(a, first) for n, a in g.items()},
+    specs,
+    ({n: grads[n] for n in dims},),
+    first,
+  )
+
+
+def _scatter_rows(parts: dict, reduced: dict, dims: dict, specs: dict, first) -> dict:
+  """`reduced` with each weight's rows `parts` (`_take_rows`) reduce-scattered into place."""
+  mesh = jax.sharding.get_abstract_mesh()
+  context = mesh.shape.get(CONTEXT, 1) > 1
+  # XLA:CPU (jax 0.10.2) cannot compile a bfloat16 reduce-scatter (parallelism/sequence.py):
+  # on CPU meshes the rows travel as float32.
+  device = mesh.abstract_device
+  wire = jnp.float32 if device is not None and device.platform == "cpu" else None
+  scatter = {n: _past_replicas(_scatterer(dims[n] + 1, context, wire)) for n in parts}
+  return _on_blocks(
+    lambda p, r, first: {n: scatter[n](p[n], r[n], first) for n in p},
+    specs,
+    (parts, reduced),
+    first,
+  )
+
+
+def join_reduced(shards: jax.Array, spec: PartitionSpec, replica_axes: Sequence[str]) -> jax.Array:
+  """The replicas' blocks of a weight gradient the drain reduced, [R, (CP,) L, ...] with
+  the scatter dimension 1/R of the weight's, -> the gradient [L, ...] laid out as `spec`,
+  without moving a byte: each device keeps its own block (replica r's is block r of its
+  scatter dimension; the context ranks hold the same sums)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  inner = _without_data(spec)
+  in_spec = PartitionSpec(
+    *replica_axes, *inner, *(None,) * (shards.ndim - len(replica_axes) - len(inner))
+  )
+  return jax.shard_map(
+    lambda a: a[(0,) * len(replica_axes)],
+    mesh=mesh,
+    in_specs=in_spec,
+    out_specs=spec,
+    axis_names=frozenset(mesh.axis_names),
+    check_vma=False,
+  )(shards)
+
+
 def run(
   chunk_fn: Callable[[jax.Array, Any, Any, Any], jax.Array],
   weights: Any,
@@ -250,6 +440,7 @@ def run(
   activation_axes: Sequence[str | None],
   active: np.ndarray | None = None,
   zero_idle_grads: bool = False,
+  reduce_specs: dict[str, PartitionSpec] | None = None,
 ) -> tuple[jax.Array, Any, Any, jax.Array, Any]:
   """One data-parallel replica's forward and backward through the pipeline.
 
@@ -267,6 +458,12 @@ def run(
   zero_idle_grads: an idle trip's weight gradient is dropped, for layers whose backward adds
   to it beyond what their zeroed output cotangent gives (model/moe.py's loads and balance
   loss); otherwise it is zero anyway and nothing is selected.
+
+  reduce_specs: {weight name: the layout of its reduced gradient [L, ...]} (weights a
+  dict): those with a `scatter_dim` are reduced in the drain (module docstring)
+  when V > 1, and their gradients come back summed over the replicas of `data` and
+  `context`, as this replica's block of the scatter dimension (`join_reduced` puts the
+  blocks together).
 
   Returns (summed head losses, gradients of weights [L, ...], the largest cotangent of
   each scale over the micro-batches [L, ...], gradients of inputs [P, M, b, ...] (zero but
@@ -347,19 +544,42 @@ def run(
       d_inputs = jax.lax.dynamic_update_index_in_dim(d_inputs, dx, row[B_OUT], 0)
     return _Carry(y, dx, slots, grads, outs, carry.dys, d_inputs), added
 
-  def loop(carry, rows, do_forward, do_backward):
-    def trip(carry, row):  # row [P, 11]
-      done, added = jax.vmap(
-        functools.partial(rank_trip, do_forward=do_forward, do_backward=do_backward),
-        spmd_axis_name=MESH_AXIS,
-      )(rank_weights, rank_constants, inputs, row, carry, mask)
-      if added is not None:
-        done = done._replace(grads=(_add_rows(done.grads[0], *added), done.grads[1]))
-      # Forward outputs move one rank on, gradients one rank back.
-      moved = done._replace(x=jnp.roll(done.x, 1, 0), g=jnp.roll(done.g, -1, 0))
-      return jax.tree.map(pin, moved), None
+  def trip(carry, row, do_forward, do_backward):  # row [P, 11]
+    done, added = jax.vmap(
+      functools.partial(rank_trip, do_forward=do_forward, do_backward=do_backward),
+      spmd_axis_name=MESH_AXIS,
+    )(rank_weights, rank_constants, inputs, row, carry._replace(parts=None, reduced=None), mask)
+    done = done._replace(parts=carry.parts, reduced=carry.reduced)
+    if added is not None:
+      done = done._replace(grads=(_add_rows(done.grads[0], *added), done.grads[1]))
+    # Forward outputs move one rank on, gradients one rank back.
+    moved = done._replace(x=jnp.roll(done.x, 1, 0), g=jnp.roll(done.g, -1, 0))
+    return jax.tree.map(pin, moved)
 
-    return jax.lax.scan(trip, carry, rows)[0]
+  def loop(carry, rows, do_forward, do_backward):
+    return jax.lax.scan(lambda c, row: (trip(c, row, do_forward, do_backward), None), carry, rows)[
+      0
+    ]
+
+  def reducing_loop(carry, rows):
+    """The drain's last (V - 1) P trips, P an iteration: iteration k reduce-scatters chunk
+    V - 1 - k's gradients (its rows taken at the end of the iteration before, so that the
+    collective waits for none of the iteration's backward) while its P trips compute, and
+    takes chunk V - 2 - k's, final after its last trip. One collective a chunk: a
+    collective's latency grows with the replicas (a ring's steps), so pieces of a chunk
+    a trip cost more than they hide."""
+    blocks = rows.reshape(V - 1, P, *rows.shape[1:])
+    chunks = V - 1 - np.arange(V - 1)
+
+    def iteration(carry, xs):
+      block, first = xs
+      reduced = _scatter_rows(carry.parts, carry.reduced, dims, specs, first)
+      for i in range(P):
+        carry = trip(carry, block[i], False, True)
+      parts = _take_rows(carry.grads[0], dims, specs, first - C, C)
+      return carry._replace(reduced=reduced, parts=parts), None
+
+    return jax.lax.scan(iteration, carry, (blocks, jnp.asarray(chunks * C)))[0]
 
   def run_head(carry, loss, head_grads, group):
     # Spread over the ranks: micro-batch i of the group on rank i.
@@ -385,6 +605,14 @@ def run(
       jnp.zeros((), jnp.int32),
     )
   slots = [pin(jnp.zeros((P, plan.slots + 1, *a.shape[1:]), a.dtype)) for a in kept_shapes]
+  specs = reduce_specs or {}
+  dims = drain_reduced(weights, specs, V)
+
+  def reduced_zeros(n):  # [P, V C, ...], the scatter dimension split over the replicas
+    shape = list(rank_weights[0][n].shape)
+    shape[dims[n] + 1] //= jax.sharding.get_abstract_mesh().shape[DATA]
+    return pin(jnp.zeros(shape, rank_weights[0][n].dtype))
+
   carry = _Carry(
     x=per_rank(sample),
     g=per_rank(sample),
@@ -415,8 +643,24 @@ def run(
       group_rows = rows[D : D + (G - 1) * steady].reshape(G - 1, steady, *rows.shape[1:])
       (carry, loss, head_grads, _), _ = jax.lax.scan(group_step, state, group_rows)
     carry, loss, head_grads = run_head(carry, loss, head_grads, G - 1)
+    drain = rows[D + (G - 1) * steady :]
+    plain_trips = plan.drain_trips - (plan.reducing_trips if dims else 0)
     with jax.named_scope(DRAIN_SCOPE):
-      carry = loop(carry, rows[D + (G - 1) * steady :], False, True)
+      carry = loop(carry, drain[:plain_trips], False, True)
+    if dims:
+      # Chunk V - 1 is final now, chunk 0 only after the last trip. The reduced gradients'
+      # buffers (1 / R of the stack's) exist from here on only: carried through every
+      # loop, they would add to the memory the slots' residuals peak in.
+      parts = _take_rows(carry.grads[0], dims, specs, jnp.asarray((V - 1) * C), C)
+      reduced = {n: reduced_zeros(n) for n in dims}
+      with jax.named_scope(DRAIN_REDUCE_SCOPE):
+        carry = reducing_loop(carry._replace(parts=parts, reduced=reduced), drain[plain_trips:])
+      zero = jnp.zeros((), jnp.int32)
+      reduced = _scatter_rows(carry.parts, carry.reduced, dims, specs, zero)
+      carry = carry._replace(reduced=reduced, parts=None)
   unstack = lambda x: x.reshape(P * V * C, *x.shape[2:])
   d_weights, d_scales = jax.tree.map(unstack, carry.grads)
+  if dims:
+    d_weights = {**d_weights, **{n: unstack(a) for n, a in carry.reduced.items()}}
+
   return loss, d_weights, d_scales, carry.d_inputs[:, :M], head_grads

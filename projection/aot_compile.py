@@ -50,8 +50,9 @@ class CompiledStep:
   compile_target: str  # "cuda" or "host"
   compile_s: float
   note: str  # why the host was used, when it was
-  # Of memory_per_device_bytes, the train state split over `data` (train.shard_optimizer):
-  # the part that shrinks as the data axis grows from the reduced mesh to the target.
+  # Of memory_per_device_bytes, the train state split over `data` (train.shard_optimizer)
+  # and the gradients the 1F1B drain reduces (TrainProgram.drain_reduced_bytes): the part
+  # that shrinks as the data axis grows from the reduced mesh to the target.
   data_sharded_state_bytes: int = 0
 
 
@@ -123,7 +124,9 @@ def compile_step(
     target,
     time.perf_counter() - start,
     note,
-    sharding.bytes_per_device(program.abstract_state, split_over="data"),
+    # The drain's reduced gradients shrink with `data` as the split state does.
+    sharding.bytes_per_device(program.abstract_state, split_over="data")
+    + program.drain_reduced_bytes,
   )
 
 

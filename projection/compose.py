@@ -73,13 +73,20 @@ _FORMAT = 2
 _CODE_PACKAGES = ("model", "parallelism", "train", "projection", "hardware")
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
 
-_FILL, _STEADY, _DRAIN = (
+_FILL, _STEADY, _DRAIN, _REDUCE = (
   re.compile(rf"(^|[/(]){re.escape(scope)}\)*/while$")
-  for scope in (one_f_one_b.FILL_SCOPE, one_f_one_b.STEADY_SCOPE, one_f_one_b.DRAIN_SCOPE)
+  for scope in (
+    one_f_one_b.FILL_SCOPE,
+    one_f_one_b.STEADY_SCOPE,
+    one_f_one_b.DRAIN_SCOPE,
+    one_f_one_b.DRAIN_REDUCE_SCOPE,
+  )
 )
 
 
-def piece_shapes(virtual_stages: int, groups: int) -> tuple[tuple[int, int], ...]:
+def piece_shapes(
+  virtual_stages: int, groups: int, reducing: bool = False
+) -> tuple[tuple[int, int], ...]:
   """(virtual stages, groups of P micro-batches) of the pieces a target of (V, M / P) is
   composed from; the first is the one whose loops the target runs.
 
@@ -91,8 +98,10 @@ def piece_shapes(virtual_stages: int, groups: int) -> tuple[tuple[int, int], ...
   (docs/validation.md). So the pieces have the target's kind (V 1 or not; one group or
   several): a second with one more virtual stage gives the slope in V, and for several
   groups a third with one more group the slope in M (3 and 4 groups: the two-group
-  step's loop over groups runs once, and XLA inlines it)."""
-  first = 1 if virtual_stages == 1 else 2
+  step's loop over groups runs once, and XLA inlines it). `reducing`: the drain reduces
+  gradients (train.overlap_grad_reduce), in a loop of V - 1 iterations that XLA inlines
+  at V 2: the pieces start at V 3, both with the loop."""
+  first = 1 if virtual_stages == 1 else 3 if reducing else 2
   if groups == 1:
     return ((first, 1), (first + 1, 1))
   return ((first, 3), (first + 1, 3), (first, 4))
@@ -271,15 +280,20 @@ def at_trips(
   program: hlo.Program, micro_batches: int, stages: int, virtual_stages: int
 ) -> hlo.Program:
   """`program`'s 1f1b loops run as the schedule of (M, P, V) runs them: fill V P + P - 1
-  trips, the loop over groups M / P - 1, each steady loop P V, drain P V + P - 1."""
+  trips, the loop over groups M / P - 1, each steady loop P V, drain P V + P - 1 (of them
+  the last (V - 1) P in a loop of their own where they reduce gradients)."""
   plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
+  reducing = step_loops.reduces_in_drain(program)
+  drain_trips = plan.drain_trips - (plan.reducing_trips if reducing else 0)
   found = {"fill": 0, "groups": 0, "drain": 0}
   entry = []
   for node in program.entry:
     if isinstance(node, hlo.Loop) and _FILL.search(node.op_name):
       node, found["fill"] = dataclasses.replace(node, trip_count=plan.delay), 1
     elif isinstance(node, hlo.Loop) and _DRAIN.search(node.op_name):
-      node, found["drain"] = dataclasses.replace(node, trip_count=plan.drain_trips), 1
+      node, found["drain"] = dataclasses.replace(node, trip_count=drain_trips), 1
+    elif isinstance(node, hlo.Loop) and _REDUCE.search(node.op_name):
+      node = dataclasses.replace(node, trip_count=plan.reducing_iterations)
     elif isinstance(node, hlo.Loop) and any(
       isinstance(n, hlo.Loop) and _STEADY.search(n.op_name) for n in node.body
     ):
@@ -338,7 +352,11 @@ def composed(exp, target: Target) -> ProjectedPoint:
       f"multiple of the {stages} pipeline stages"
     )
   groups = micro // stages
-  shapes = piece_shapes(virtual, groups)
+  # Whether the drain may reduce gradients (train/step.py decides; pieces from V 3 are
+  # right either way).
+  train = exp.train
+  reducing = train.overlap_grad_reduce and train.shard_optimizer and target.sizes["data"] > 1
+  shapes = piece_shapes(virtual, groups, reducing)
   found, cached = pieces(exp, hw, reduced, shapes)
   timer = collective_timing.collective_timer(reduced, hw)
   # The target runs the first piece's loops at its own trip counts; what runs outside

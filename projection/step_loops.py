@@ -24,11 +24,17 @@ _ACCUMULATION_OP = re.compile(rf"(^|[/(]){re.escape(gradients.ACCUMULATION_SCOPE
 # ("transpose(jvp(pipeline))/while"), one trip each per schedule step
 # (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
 _PIPELINE_OP = re.compile(rf"(^|[/(]){re.escape(pipeline.PIPELINE_SCOPE)}\)*/while$")
-# The 1f1b schedule's loops (parallelism/one_f_one_b.py): forward-only, backward-only, and
-# the steady one inside the loop over micro-batch groups.
-_FILL_OP, _DRAIN_OP, _STEADY_OP = (
+# The 1f1b schedule's loops (parallelism/one_f_one_b.py): forward-only, backward-only (and
+# its last trips apart when they reduce gradients), and the steady one inside the loop
+# over micro-batch groups.
+_FILL_OP, _DRAIN_OP, _REDUCE_OP, _STEADY_OP = (
   re.compile(rf"(^|[/(]){re.escape(scope)}\)*/while$")
-  for scope in (one_f_one_b.FILL_SCOPE, one_f_one_b.DRAIN_SCOPE, one_f_one_b.STEADY_SCOPE)
+  for scope in (
+    one_f_one_b.FILL_SCOPE,
+    one_f_one_b.DRAIN_SCOPE,
+    one_f_one_b.DRAIN_REDUCE_SCOPE,
+    one_f_one_b.STEADY_SCOPE,
+  )
 )
 
 
@@ -36,6 +42,12 @@ def pipeline_loops(program: hlo.Program) -> list[int]:
   """Entry positions of the pipeline's loops (forward and backward) at the top of the
   program (one pipeline pass)."""
   return [i for i, n in enumerate(program.entry) if _is_pipeline_loop(n)]
+
+
+def reduces_in_drain(program: hlo.Program) -> bool:
+  """Whether the 1f1b drain reduces gradients (one_f_one_b.DRAIN_REDUCE_SCOPE): its loop,
+  or the ops of its one iteration where XLA inlined it."""
+  return any(one_f_one_b.DRAIN_REDUCE_SCOPE in getattr(n, "op_name", "") for n in program.entry)
 
 
 def _top_loops(program: hlo.Program, op_name: re.Pattern) -> list[hlo.Loop]:
@@ -56,7 +68,7 @@ def pipeline_passes(program: hlo.Program) -> list[tuple[hlo.Loop, int]]:
     if not isinstance(outer, hlo.Loop):
       continue
     # (A loop over one group has been inlined: its steady loop is at the top.)
-    if any(op.search(outer.op_name) for op in (_FILL_OP, _STEADY_OP, _DRAIN_OP)):
+    if any(op.search(outer.op_name) for op in (_FILL_OP, _STEADY_OP, _DRAIN_OP, _REDUCE_OP)):
       found.append((outer, 1))
     inner = [n for n in outer.body if isinstance(n, hlo.Loop)]
     if _ACCUMULATION_OP.search(outer.op_name):
@@ -136,7 +148,8 @@ def bubble_s(
 
   The 1f1b schedule's loops run a forward and a backward chunk a trip, and every rank
   idles stages - 1 trips of each kind: as many trips of its fill loop (forward only) and
-  of its drain loop (backward only).
+  of its drain loop (backward only; where the drain's last trips also reduce gradients,
+  a trip of its first part, whose cost is the backward's alone).
 
   `trip_s`: each loop's time per trip as cost_model.simulate of the program wrote it; the
   loops are simulated here without it."""
@@ -146,14 +159,19 @@ def bubble_s(
       return trip_s[loop.name]
     return cost_model.simulate(loop.body, hw, collective_s).step_s
 
-  fill, drain = (_top_loops(program, op) for op in (_FILL_OP, _DRAIN_OP))
+  fill, drain, reducing = (_top_loops(program, op) for op in (_FILL_OP, _DRAIN_OP, _REDUCE_OP))
   if fill or drain:
     plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
-    if [n.trip_count for n in fill + drain] != [plan.delay, plan.drain_trips]:
+    expected = [plan.delay, plan.drain_trips]
+    if reduces_in_drain(program):
+      # The reducing loop of one iteration (V 2) is inlined by XLA.
+      expected = [plan.delay, plan.drain_trips - plan.reducing_trips]
+      expected += [plan.reducing_iterations] if reducing else []
+    if [n.trip_count for n in fill + drain + reducing] != expected:
       raise RuntimeError(
         f"{program.name}: 1f1b fill and drain loops of "
-        f"{[n.trip_count for n in fill + drain]} trips, not the schedule's "
-        f"{plan.delay} and {plan.drain_trips}"
+        f"{[n.trip_count for n in fill + drain + reducing]} trips, not the schedule's "
+        f"{expected}"
       )
     return (stages - 1) * (trip(fill[0]) + trip(drain[0]))
   loops = pipeline_passes(program)

@@ -18,6 +18,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from parallelism import one_f_one_b, pipeline, sequence
 from parallelism.mesh import MeshConfig, build_mesh, plan
+from projection import hlo
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -429,3 +430,44 @@ def test_uneven_stages_keep_an_amax_history_per_stored_row():
   losses, _, _ = _train(program, steps=1)
   reference, _, _ = _train(_program(MeshConfig(data=1), 1, model=model), steps=1)
   np.testing.assert_allclose(losses, reference, rtol=1e-3)
+
+
+def _drain_reduce_loop(program_text: str):
+  """The 1F1B drain's reducing loop of a compiled step (one_f_one_b.DRAIN_REDUCE_SCOPE)."""
+  loops = [
+    n
+    for n in hlo.analyze(program_text).entry
+    if isinstance(n, hlo.Loop) and one_f_one_b.DRAIN_REDUCE_SCOPE in n.op_name
+  ]
+  assert len(loops) == 1
+  return loops[0]
+
+
+@pytest.mark.parametrize(
+  "mesh_cfg",
+  [MeshConfig(data=2, tensor=2, pipeline=2), MeshConfig(data=2, context=2, pipeline=2)],
+  ids=["data2-tensor2-pipeline2", "data2-context2-pipeline2"],
+)
+def test_gradients_reduced_in_the_drain_match_those_reduced_after(mesh_cfg):
+  """train.overlap_grad_reduce: the layer gradients reduce-scattered over `data` (and summed
+  over `context`) in the drain's reducing loop, against the same step reducing them after
+  the pipeline: the same sums in another order (RTOL, ATOL above)."""
+  train = dataclasses.replace(
+    TRAIN, pipeline_schedule="1f1b", virtual_stages=3, micro_batch=1, shard_optimizer=True
+  )
+  # 3 chunks a rank: the reducing loop runs 2 iterations (one would be inlined).
+  model = dataclasses.replace(
+    MODEL, num_layers=6, sequence_parallel=mesh_cfg.tensor > 1, remat="elementwise"
+  )
+  overlapped = _program(mesh_cfg, 8, model=model, train=train)
+  after = _program(
+    mesh_cfg, 8, model=model, train=dataclasses.replace(train, overlap_grad_reduce=False)
+  )
+  _assert_same(_train(overlapped), _train(after))
+  loop = _drain_reduce_loop(overlapped.lower(TRAIN.global_batch, MODEL.seq_len).compile().as_text())
+  scatters = [
+    c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter" and c.group_size == 2
+  ]
+  assert scatters, "no reduce-scatter over data in the drain's reducing loop"
+  text = after.lower(TRAIN.global_batch, MODEL.seq_len).compile().as_text()
+  assert one_f_one_b.DRAIN_REDUCE_SCOPE not in text

@@ -83,3 +83,36 @@ def test_gpu_layer_scan_trip_count_and_collectives_per_layer():
 def test_unknown_hardware_is_rejected():
   with pytest.raises(ValueError, match="unknown hardware"):
     targets.target_config("tpu9")
+
+
+def test_h100_drain_reduce_scatter_runs_beside_the_backward_gemms():
+  """train.overlap_grad_reduce (parallelism/one_f_one_b.py): in the deviceless H100 program
+  the 1F1B drain's reducing loop reduce-scatters each final chunk's gradients over `data`
+  asynchronously, with the trips' backward GEMMs scheduled between its start and done
+  (3 chunks a rank: a loop of 2 iterations; XLA inlines a loop of one)."""
+  from model.config import ModelConfig
+  from parallelism import one_f_one_b
+  from projection import aot_compile
+  from train.config import TrainConfig
+
+  model = ModelConfig(
+    num_layers=12, d_model=256, num_heads=4, head_dim=64, seq_len=128, vocab_size=512,
+    param_dtype="bfloat16", compute_dtype="bfloat16", remat="elementwise",
+  )  # fmt: skip
+  train = TrainConfig(
+    global_batch=16, micro_batch=1, pipeline_schedule="1f1b", virtual_stages=3,
+    shard_optimizer=True,
+  )  # fmt: skip
+  sizes = (("data", 2), ("fsdp", 1), ("expert", 1), ("context", 1), ("tensor", 1), ("pipeline", 4))
+  program = aot_compile.compile_step(model, train, sizes, "h100", 4).program
+  (loop,) = [
+    n
+    for n in program.entry
+    if isinstance(n, hlo.Loop) and one_f_one_b.DRAIN_REDUCE_SCOPE in n.op_name
+  ]
+  gemms = {n.name for n in loop.body if isinstance(n, hlo.Compute) and n.dot_flops}
+  # Tensor 1: every reduce-scatter is over `data`.
+  scatters = [c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter"]
+  assert scatters
+  assert all(c.is_async and not c.xla_sync for c in scatters)
+  assert any(gemms & set(c.overlapped) for c in scatters)

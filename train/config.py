@@ -37,6 +37,10 @@ class TrainConfig:
   # parameters all-gathered, instead of all-reduced gradients). With model.fp8 the
   # matmul kernels are split too, and their FP8 casts all-gathered (train/step.py).
   shard_optimizer: bool = False
+  # With shard_optimizer and the 1f1b schedule at virtual_stages >= 2: the layer weights'
+  # gradients reduce-scattered over `data` while the drain's last trips still compute
+  # (Megatron's --overlap-grad-reduce; parallelism/one_f_one_b.py), not after the step.
+  overlap_grad_reduce: bool = True
   steps: int = 10  # timed / trained steps
   warmup_steps: int = 2  # excluded from timing (compilation caches, allocators)
   learning_rate: float = 3e-4

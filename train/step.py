@@ -22,7 +22,7 @@ from errors import UserInputError
 from model import fp8, lora, moe
 from model.config import ModelConfig
 from model.gpt import GPT, GROUPED_QUERY_KERNELS, KERNELS, kernels, residual_axes, run_layers
-from parallelism import context, gradients, pipeline, sharding
+from parallelism import context, gradients, one_f_one_b, pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
 
@@ -56,6 +56,9 @@ class TrainProgram:
   abstract_state: TrainState  # shapes + shardings, nothing allocated
   batch_sharding: NamedSharding
   micro_batches: int = 1  # per data-parallel replica: accumulated, or pipelined
+  # Bytes a device holds of the layer gradients the 1F1B drain reduces over `data`, in
+  # their reduced layout (1 / data of them): a buffer that shrinks as `data` grows.
+  drain_reduced_bytes: int = 0
 
   def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     shape = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -113,6 +116,45 @@ def _pieces(
     run_layers=functools.partial(run_layers, scaled),
     prefix=lambda params, x: nnx.merge(graphdef, params).prefix(x),
     zero_idle_grads=True,
+  )
+
+
+def _drain_reduce_specs(
+  model_cfg: ModelConfig,
+  train_cfg: TrainConfig,
+  mesh: Mesh,
+  params: nnx.State,
+  adapters: lora.LoraConfig,
+) -> tuple:
+  """((layer weight, the layout of its gradient: its optimizer state's), ...) for the 1F1B
+  drain to reduce over `data` (train.overlap_grad_reduce), or () where the step reduces
+  every gradient after the pipeline: no split optimizer; `fsdp` or `expert` ranks, whose
+  gradients take other layouts; LoRA and MoE models (adapters; router biases kept in
+  float32); a compute dtype other than the parameters' (the drain reduces the layers'
+  gradients in the compute dtype, the step in the parameters')."""
+  if not (
+    train_cfg.overlap_grad_reduce
+    and train_cfg.shard_optimizer
+    and train_cfg.pipeline_schedule == "1f1b"
+    and mesh.shape.get("fsdp", 1) == mesh.shape.get("expert", 1) == 1
+    and not adapters.enabled
+    and not model_cfg.moe
+    and model_cfg.param_dtype == model_cfg.compute_dtype
+  ):
+    return ()
+  layouts = sharding.over_data(params["layers"], mesh)
+  return tuple((name, v.get_value().spec) for name, v in layouts.items())
+
+
+def _drain_reduced_bytes(plan: gradients.Plan, layers: nnx.State, mesh: Mesh) -> int:
+  """Bytes a device holds of the gradients the drain reduces, in their reduced layout."""
+  specs = dict(plan.reduce_specs)
+  names = one_f_one_b.drain_reduced(dict(layers.items()), specs, plan.virtual_stages)
+  return sharding.bytes_per_device(
+    [
+      jax.ShapeDtypeStruct(layers[n].shape, layers[n].dtype, sharding=NamedSharding(mesh, specs[n]))
+      for n in names
+    ]
   )
 
 
@@ -183,6 +225,7 @@ def build(
       f"{per_replica} sequences per data-parallel replica"
     )
   micro_batches = per_replica // train_cfg.micro_batch if train_cfg.micro_batch else 1
+  abstract = jax.eval_shape(init)
   plan = gradients.plan(
     stacked,
     stages,
@@ -192,8 +235,8 @@ def build(
     train_cfg.pipeline_schedule,
     train_cfg.pipeline_passes,
     mesh.shape.get(context.CONTEXT, 1),
+    _drain_reduce_specs(model_cfg, train_cfg, mesh, abstract.params, adapters),
   )
-  abstract = jax.eval_shape(init)
   sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
   if train_cfg.shard_optimizer:
@@ -276,4 +319,5 @@ def build(
     abstract_state=abstract_state,
     batch_sharding=batch_sharding,
     micro_batches=plan.micro_batches,
+    drain_reduced_bytes=_drain_reduced_bytes(plan, abstract.params["layers"], mesh),
   )
