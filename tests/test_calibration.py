@@ -1,6 +1,9 @@
-"""The headline claim: MLPerf GPT-3 175B's two calibration points, projected in their
-published configurations (experiments/mlperf_gpt3_175b.py), within 15% of the published
-times to train (reference/mlperf_gpt3.py). Nothing in the projection is fitted to them.
+"""The headline claim: MLPerf GPT-3 175B's calibration point at 10,752 H100, projected in
+its published configuration (experiments/mlperf_gpt3_175b.py), within 15% of the
+published time to train (reference/mlperf_gpt3.py). Nothing in the projection is fitted
+to it. The 512-GPU point is benchmarks/mlperf.py's (`--benchmark=gpt3`): composed from
+pieces whose reducing drain loops (train.overlap_grad_reduce) take about 10 minutes to
+compile on 2 cores with an empty kernel cache, it would double this suite's time.
 
 The projection is a deterministic function of the compiled program (XLA's deviceless GPU
 compile) and of Python float arithmetic, the same on any machine with the pinned jax, so
@@ -25,12 +28,12 @@ PUBLISHED_MIN = {
 CLAIMED_ERROR = 0.15
 
 
-def test_both_calibration_points_project_within_15_percent_of_the_published_times(tmp_path):
+def test_the_10752_gpu_point_projects_within_15_percent_of_the_published_time(tmp_path):
   assert sorted(PUBLISHED_MIN) == [512, 10752]
   # Its own process: a projection sizes the host platform to the compiled mesh at start-up
   # (this process has 8 devices). The timeout only stops a hung compile.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  gpus = ",".join(str(g) for g in sorted(PUBLISHED_MIN))
+  gpus = 10752
   out = subprocess.run(
     [
       sys.executable,
@@ -50,7 +53,7 @@ def test_both_calibration_points_project_within_15_percent_of_the_published_time
   assert out.returncode == 0, out.stderr[-3000:]
   with open(tmp_path / "results.jsonl") as f:
     records = {r["devices"]: r for r in map(json.loads, f)}
-  assert sorted(records) == sorted(PUBLISHED_MIN)
+  assert sorted(records) == [gpus]
   for gpus, record in records.items():
     assert record["fits"], (gpus, record["memory_per_gpu_gb"])
     error = record["time_to_train_min"] / PUBLISHED_MIN[gpus] - 1
