@@ -87,8 +87,9 @@ class Plan:
   passes: int  # lockstep pipeline passes; 1 otherwise
   num_layers: int = 0  # model.num_layers (pipelined: whether the split is uneven); 0: even
   context_ranks: int = 1  # mesh context: each rank's slab of every sequence mapped apart
-  # ((layer weight name, the layout of its gradient [L, ...]), ...): with 1f1b, the weight
-  # gradients to reduce over `data` during the drain (one_f_one_b.run's reduce_specs)
+  # ((layer weight name, the layout of its gradient [L, ...]), ...): with 1f1b at V > 1,
+  # the weight gradients to reduce over `data` during the drain (one_f_one_b.run's
+  # reduce_specs; train/step.py chooses them)
   reduce_specs: tuple = ()
 
   @property
@@ -157,7 +158,7 @@ def strategy(plan: Plan, pieces: LossPieces) -> LossAndGrads:
     pieces = pieces._replace(loss=lambda logits, targets: whole_loss(logits, targets) / slabs)
   if plan.pipelined:
     replica = _one_f_one_b if plan.schedule == "1f1b" else _lockstep
-    reduced = _drain_reduced(plan, pieces) if plan.schedule == "1f1b" else None
+    reduced = dict(plan.reduce_specs)
     return _over_replicas(replica(plan, pieces), plan.replicas, plan.context_ranks, reduced)
   plain = _loss_and_grads(_whole_model_loss(pieces))
   if plan.micro_batches > 1:
@@ -217,20 +218,6 @@ def _whole_model_loss(pieces: LossPieces) -> Callable[[Params, Scales, Batch], j
   return loss_fn
 
 
-def _drain_reduced(plan: Plan, pieces: LossPieces) -> Callable[[Params], dict]:
-  """params -> {layer weight name: the layout of its gradient} for the weights whose
-  gradients the 1F1B drain reduces over the replicas (one_f_one_b.drain_reduced)."""
-  specs = dict(plan.reduce_specs)
-
-  def reduced(params):
-    layers = pieces.split_params(params)[1]
-    weights = {n: layers[n] for n in specs if n in layers}
-    names = one_f_one_b.drain_reduced(weights, specs, plan.virtual_stages)
-    return {n: specs[n] for n in names}
-
-  return reduced
-
-
 def _is_layer_weight(path, names) -> str | None:
   """The layer weight name a parameter tree path is of (params["layers"][name]), if in names."""
   keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
@@ -243,7 +230,7 @@ def _over_replicas(
   replica: LossAndGrads,
   replicas: int,
   context_ranks: int,
-  reduced: Callable[[Params], dict] | None = None,
+  reduced: dict | None = None,
 ) -> LossAndGrads:
   """replica (one data-parallel replica's rows [B/R, T], or with context ranks one rank's
   slab of them [B/R, T/CP], `context.slabs`) over the R replicas of mesh `data` and the CP
@@ -277,7 +264,7 @@ def _over_replicas(
   def loss_and_grads(params, scales, batch):
     with rules.vmapped(*(axis for _, axis in mapped)):
       loss, (grads, amaxes) = fn(params, scales, jax.tree.map(layout, batch))
-    specs = reduced(params) if reduced is not None else {}
+    specs = reduced or {}
     axes = tuple(axis for _, axis in mapped)
 
     def combine(path, g):
@@ -374,8 +361,7 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
 
     (x, stack), front_vjp = jax.vjp(front, params)
     weights, constants, stack_scales = pieces.split_stack(stack)
-    reduce_specs = dict(plan.reduce_specs)
-    reduced = one_f_one_b.drain_reduced(weights, reduce_specs, virtual)
+    reduced = dict(plan.reduce_specs)
 
     def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
       def group_loss(rest, ys):
@@ -399,7 +385,7 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       pieces.activation_axes,
       _active_rows(plan),
       pieces.zero_idle_grads,
-      reduce_specs,
+      reduced,
     )
     # The drain's reduced gradients are blocks of the replicas' sum, not this replica's
     # gradient: they bypass the embedding's vjp (identity on the layer weights, whose

@@ -206,30 +206,43 @@ def _from_last_rank(slots: jax.Array, activation_axes: Sequence[str | None]) -> 
   )(slots)
 
 
-def _row_adder(axis: int) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
-  """(total, part, first) -> total with part added to its rows first .. along `axis`, a
-  dynamic slice, an add and a dynamic-update-slice at one scalar index, which XLA fuses
-  into one in-place kernel. jax.vmap turns a dynamic (update-)slice into a gather and a
-  scatter, whose bounds check XLA keeps as a separate copy of the rows: mapped over
-  operands with the index unmapped (the data and context replicas' vmaps), the mapped
-  axis becomes one more unsliced axis instead."""
+def _past_replicas(make: Callable[[int], Callable], offset: int = 0) -> Callable:
+  """make(offset)(*arrays, first): arrays with `offset` leading axes before their
+  [P, V C, ...], read or written at rows first .. by scalar-index dynamic (update-)slices,
+  which XLA runs in place. jax.vmap turns those into a gather and a scatter, whose bounds
+  check XLA keeps as a separate copy of the rows: mapped over arrays with the index
+  unmapped (the data and context replicas' vmaps), the mapped axis becomes one more
+  leading axis instead. A mapped index is vmapped plainly: correct, not in place."""
+  fn = jax.custom_batching.custom_vmap(make(offset))
 
-  def plain(total, part, first):
-    start = [0] * total.ndim
-    start[axis] = first
+  @fn.def_vmap
+  def _(axis_size, in_batched, *args):
+    arrays = [
+      a if mapped else jnp.broadcast_to(a, (axis_size, *a.shape))
+      for a, mapped in zip(args[:-1], in_batched[:-1])
+    ]
+    if in_batched[-1]:
+      return jax.vmap(make(offset))(*arrays, args[-1]), True
+    return _past_replicas(make, offset + 1)(*arrays, args[-1]), True
+
+  return fn
+
+
+def _rows_at(ndim: int, offset: int, first) -> list:
+  # [replicas' vmaps..., P, V C, ...]: the rows are the axis after the rank's.
+  start = [0] * ndim
+  start[offset + 1] = first
+  return start
+
+
+def _adder(offset: int) -> Callable:
+  """total, part, first -> total with part added to its rows first .. (`_rows_at`): a
+  dynamic slice, an add and a dynamic-update-slice, fused into one in-place kernel."""
+
+  def add(total, part, first):
+    start = _rows_at(total.ndim, offset, first)
     rows = jax.lax.dynamic_slice(total, start, part.shape) + part
     return jax.lax.dynamic_update_slice(total, rows, start)
-
-  add = jax.custom_batching.custom_vmap(plain)
-
-  @add.def_vmap
-  def _(axis_size, in_batched, total, part, first):
-    total_mapped, part_mapped, first_mapped = in_batched
-    mapped = lambda a, is_mapped: a if is_mapped else jnp.broadcast_to(a, (axis_size, *a.shape))
-    total, part = mapped(total, total_mapped), mapped(part, part_mapped)
-    if first_mapped:  # a gather and a scatter: correct, not in place
-      return jax.vmap(plain)(total, part, first), True
-    return _row_adder(axis + 1)(total, part, first), True
 
   return add
 
@@ -239,11 +252,11 @@ def _add_rows(totals: Any, parts: Any, first: jax.Array) -> Any:
   first .. first + C - 1 (first [P]), the gradients of every weight (pytrees alike).
 
   Per rank, in a shard_map manual over `pipeline`, where its row index is a scalar
-  (`_row_adder`). Under the ranks' vmap the index is mapped, and XLA writes the sum of
+  (`_past_replicas`). Under the ranks' vmap the index is mapped, and XLA writes the sum of
   the rows and the part to a temporary that a second kernel copies into the stack, as it
   does for the stack plus a zero-padded part (Llama 3.1 405B at 8,192 H100 as published:
   2 x 872 MB more a trip, 0.3 s a step)."""
-  add = _row_adder(1)
+  add = _past_replicas(_adder)
 
   def local(totals, parts, first):  # this rank's: [1, V C, ...], [1, C, ...], [1]
     return jax.tree.map(lambda total, part: add(total, part, first[0]), totals, parts)
@@ -278,55 +291,15 @@ def _without_data(spec: PartitionSpec) -> PartitionSpec:
   return PartitionSpec(*(entry(e) for e in spec))
 
 
-def scatter_dim(shape: Sequence[int], spec: PartitionSpec) -> int | None:
+def scatter_dim(spec: PartitionSpec) -> int | None:
   """The dimension of a stacked weight [L, ...] that `data` splits in the layout `spec` of
-  its reduced gradient (`data` last in its axes: sharding.over_data), where the drain
-  reduces its gradient; None where the step reduces it after the pipeline as before
-  (`data` splits no dimension past the stack's, or the stack is not split over `pipeline`)."""
-  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  its reduced gradient (`data` last in its axes: sharding.over_data), where the drain can
+  reduce its gradient; None where the step reduces it after the pipeline (`data` splits
+  no dimension past the stack's, or the stack is not split over `pipeline`)."""
   with_data = [d for d, e in enumerate(spec) if DATA in _entry_axes(e)]
-  if len(with_data) != 1 or with_data[0] == 0 or spec[0] != MESH_AXIS:
+  if len(with_data) != 1 or with_data[0] == 0 or not spec or spec[0] != MESH_AXIS:
     return None
   return with_data[0]
-
-
-def drain_reduced(
-  weights: Any, reduce_specs: dict[str, PartitionSpec] | None, virtual_stages: int
-) -> dict[str, int]:
-  """{weight name: its `scatter_dim`} of the stacked weights [L, ...] (a dict) whose
-  gradients `run` reduces in the drain: none without virtual stages, whose drain has no
-  trip after a chunk is final but before the last."""
-  if virtual_stages < 2 or not reduce_specs or not isinstance(weights, dict):
-    return {}
-  dims = {n: scatter_dim(weights[n].shape, s) for n, s in reduce_specs.items() if n in weights}
-  return {n: d for n, d in dims.items() if d is not None}
-
-
-def _past_replicas(make: Callable[[int], Callable], offset: int = 0) -> Callable:
-  """make(offset)(*arrays, first), arrays with `offset` leading axes before their
-  [P, V C, ...], under the replicas' vmaps: a mapped array's axis becomes one more leading
-  axis (as in `_row_adder`: vmapped, the scalar-index slices would become gathers and
-  scatters that copy the buffers)."""
-  fn = jax.custom_batching.custom_vmap(make(offset))
-
-  @fn.def_vmap
-  def _(axis_size, in_batched, *args):
-    if in_batched[-1]:
-      raise NotImplementedError("the drain reduces the same rows on every replica")
-    arrays = [
-      a if mapped else jnp.broadcast_to(a, (axis_size, *a.shape))
-      for a, mapped in zip(args[:-1], in_batched[:-1])
-    ]
-    return _past_replicas(make, offset + 1)(*arrays, args[-1]), True
-
-  return fn
-
-
-def _rows_at(ndim: int, offset: int, first) -> list:
-  # [replicas' vmaps..., P, V C, ...]: the rows are the axis after the rank's.
-  start = [0] * ndim
-  start[offset + 1] = first
-  return start
 
 
 def _taker(rows: int) -> Callable[[int], Callable]:
@@ -459,8 +432,9 @@ def run(
   to it beyond what their zeroed output cotangent gives (model/moe.py's loads and balance
   loss); otherwise it is zero anyway and nothing is selected.
 
-  reduce_specs: {weight name: the layout of its reduced gradient [L, ...]} (weights a
-  dict): those with a `scatter_dim` are reduced in the drain (module docstring)
+  reduce_specs: {weight name: the layout of its reduced gradient [L, ...], with a
+  `scatter_dim`} (weights a dict, V > 1): those weights are reduced in the drain (module
+  docstring)
   when V > 1, and their gradients come back summed over the replicas of `data` and
   `context`, as this replica's block of the scatter dimension (`join_reduced` puts the
   blocks together).
@@ -606,7 +580,7 @@ def run(
     )
   slots = [pin(jnp.zeros((P, plan.slots + 1, *a.shape[1:]), a.dtype)) for a in kept_shapes]
   specs = reduce_specs or {}
-  dims = drain_reduced(weights, specs, V)
+  dims = {n: scatter_dim(spec) for n, spec in specs.items()}
 
   def reduced_zeros(n):  # [P, V C, ...], the scatter dimension split over the replicas
     shape = list(rank_weights[0][n].shape)

@@ -129,13 +129,15 @@ def _drain_reduce_specs(
   """((layer weight, the layout of its gradient: its optimizer state's), ...) for the 1F1B
   drain to reduce over `data` (train.overlap_grad_reduce), or () where the step reduces
   every gradient after the pipeline: no split optimizer; `fsdp` or `expert` ranks, whose
-  gradients take other layouts; LoRA and MoE models (adapters; router biases kept in
+  gradients take other layouts; one chunk a rank (V 1: no drain trip comes after a chunk
+  is final but before the last); LoRA and MoE models (adapters; router biases kept in
   float32); a compute dtype other than the parameters' (the drain reduces the layers'
   gradients in the compute dtype, the step in the parameters')."""
   if not (
     train_cfg.overlap_grad_reduce
     and train_cfg.shard_optimizer
     and train_cfg.pipeline_schedule == "1f1b"
+    and train_cfg.virtual_stages > 1
     and mesh.shape.get("fsdp", 1) == mesh.shape.get("expert", 1) == 1
     and not adapters.enabled
     and not model_cfg.moe
@@ -143,17 +145,16 @@ def _drain_reduce_specs(
   ):
     return ()
   layouts = sharding.over_data(params["layers"], mesh)
-  return tuple((name, v.get_value().spec) for name, v in layouts.items())
+  specs = ((name, v.get_value().spec) for name, v in layouts.items())
+  return tuple((name, spec) for name, spec in specs if one_f_one_b.scatter_dim(spec))
 
 
 def _drain_reduced_bytes(plan: gradients.Plan, layers: nnx.State, mesh: Mesh) -> int:
   """Bytes a device holds of the gradients the drain reduces, in their reduced layout."""
-  specs = dict(plan.reduce_specs)
-  names = one_f_one_b.drain_reduced(dict(layers.items()), specs, plan.virtual_stages)
   return sharding.bytes_per_device(
     [
-      jax.ShapeDtypeStruct(layers[n].shape, layers[n].dtype, sharding=NamedSharding(mesh, specs[n]))
-      for n in names
+      jax.ShapeDtypeStruct(layers[n].shape, layers[n].dtype, sharding=NamedSharding(mesh, spec))
+      for n, spec in plan.reduce_specs
     ]
   )
 
