@@ -145,9 +145,11 @@ def einsum(
   shard_map (parallelism/sequence.py `Tensor`). At a region's entry x is this rank's
   sequence shard: it is cast with one scale for every shard and all-gathered as E4M3,
   half the bytes of bfloat16 (Transformer Engine's FP8 all-gather), and the input
-  gradient is reduce-scattered back to the shard. Elsewhere in the region (x at its exit,
-  the output gradient) a tensor rank casts with its own amax, taken over its context
-  ranks, which hold the same features of other tokens.
+  gradient is reduce-scattered back to the shard. At its exit the product is
+  reduce-scattered, and the output gradient, a shard, is cast with one scale and
+  all-gathered as E5M2. Elsewhere (x at the exit, the output gradient at the entry) a
+  tensor rank casts with its own amax, taken over its context ranks, which hold the same
+  features of other tokens.
   """
   if not isinstance(w, CastWeight):
     w = CastWeight(w, *_quantize(jax.lax.stop_gradient(w), E4M3))
@@ -160,7 +162,8 @@ def _cast_einsum(spec: str, tensor: Tensor | None, x: jax.Array, w: CastWeight) 
 
 
 def _forward(spec, tensor, x, w):
-  entry = tensor is not None and tensor.gather is not None
+  entry = tensor is not None and tensor.entry
+  exit_ = tensor is not None and tensor.exit
   if w.x_scale is None:
     reduce = None if tensor is None else tensor.amax if entry else tensor.context_amax
     xq, x_scale = _quantize(x, E4M3, reduce)
@@ -168,25 +171,35 @@ def _forward(spec, tensor, x, w):
   else:
     xq, x_scale = fp8_ops.quantize(x, E4M3, w.x_scale, jnp.float32), w.x_scale
     x_amax = _amax(x)
+
   if entry:
-    xq = tensor.gather(xq)
+    xq = tensor.gather(xq)  # the E4M3 shards
   out = _fp8_einsum(spec, xq, w.cast, x_scale * w.scale, x.dtype)
+  if exit_:
+    out = tensor.scatter(out)
   return out, (xq, x_scale, w.cast, w.scale, w.g_scale, x_amax)
 
 
 def _backward(spec, tensor, residuals, g):
   xq, x_scale, wq, w_scale, g_scale, x_amax = residuals
+  entry = tensor is not None and tensor.entry
+  exit_ = tensor is not None and tensor.exit
   if g_scale is None:
-    gq, g_scale = _quantize(g, E5M2, tensor.context_amax if tensor is not None else None)
+    # At an exit g is this rank's sequence shard, gathered below with one scale.
+    reduce = None if tensor is None else tensor.amax if exit_ else tensor.context_amax
+    gq, g_scale = _quantize(g, E5M2, reduce)
     g_amax = None
   else:
     gq, g_amax = fp8_ops.quantize(g, E5M2, g_scale, jnp.float32), _amax(g)
   inputs, out = spec.split("->")
   x_axes, w_axes = inputs.split(",")
+
+  if exit_:
+    gq = tensor.gather(gq)  # the E5M2 shards
   dx = _fp8_einsum(f"{out},{w_axes}->{x_axes}", gq, wq, g_scale * w_scale, g.dtype)
-  dw = _fp8_einsum(f"{x_axes},{out}->{w_axes}", xq, gq, x_scale * g_scale, g.dtype)
-  if tensor is not None and tensor.scatter is not None:
+  if entry:
     dx = tensor.scatter(dx)
+  dw = _fp8_einsum(f"{x_axes},{out}->{w_axes}", xq, gq, x_scale * g_scale, g.dtype)
   # The cast and its scale are constants of the step: the gradient is the weight's; the
   # activation scales' "gradients" are the amaxes observed.
   return dx, CastWeight(dw, None, None, x_amax, g_amax)

@@ -14,8 +14,9 @@ written out here with all_gather / psum_scatter inside a shard_map that is manua
 backward pass gets the mirror image. Each collective is nested in a shard_map manual over
 the axes that split the batch as well (`_on_own_shards`): left automatic there, the
 partitioner gathered every data-parallel replica's tokens around it. An FP8 matmul runs
-its entry's all-gather itself, on its E4M3 cast (`Tensor`, model/fp8.py): half the bytes
-of gathering bfloat16.
+its region's collectives itself (`Tensor`, model/fp8.py): an entry gathers its input's
+E4M3 cast and an exit's backward pass its output gradient's E5M2 cast, half the bytes of
+gathering bfloat16 (Transformer Engine gathers both in FP8).
 """
 
 import functools
@@ -39,17 +40,21 @@ class Tensor(NamedTuple):
   """The tensor-parallel group, for a matmul that runs its own collectives over it."""
 
   # A rank's amax -> the amax over every rank of the shard_map (tensor, and context when
-  # it is manual): for a region entry's input, whose shards are gathered with one scale.
+  # it is manual): for a shard's cast when the shards are gathered, with one scale.
   amax: Callable[[jax.Array], jax.Array]
   # A rank's amax -> the amax over the context ranks only (the identity without them):
   # they hold the other tokens of the same features, as data-parallel replicas do, and
   # outside the shard_map the partitioner would reduce over them. Tensor ranks holding
   # other features keep their own (model/fp8.py current scaling).
   context_amax: Callable[[jax.Array], jax.Array]
-  # At a region's entry (else None): a shard [b, T/t, ...] -> the whole [b, T, ...], and
-  # its transpose, partial sums -> a shard's sum.
-  gather: Callable[[jax.Array], jax.Array] | None
-  scatter: Callable[[jax.Array], jax.Array] | None
+  # Whether the matmul's input is a sequence shard (a region's entry: QKV, fc1) or its
+  # output is one (an exit: the attention output projection, fc2).
+  entry: bool
+  exit: bool
+  # A shard [b, T/t, ...] -> the whole [b, T, ...] along the sequence, and its transpose,
+  # partial sums [b, T, ...] -> this rank's shard of their sum over the group.
+  gather: Callable[[jax.Array], jax.Array]
+  scatter: Callable[[jax.Array], jax.Array]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -138,10 +143,11 @@ def matmul(
 ) -> jax.Array:
   """fn(spec, x, w) at a tensor-parallel region's boundary, the sequence on axis 1.
 
-  Entry (x_axes[1] is `act_seq`): x is all-gathered along the sequence first, or with
-  tensor_in_fn by fn itself, given the group as `tensor=Tensor(...)` (model/fp8.py
-  gathers its FP8 cast and reduces its amaxes over the group). Exit (out_axes[1] is
-  `act_seq`): the partial sums are reduce-scattered along it. Outside a mesh: the plain fn.
+  Entry (x_axes[1] is `act_seq`): x is all-gathered along the sequence first. Exit
+  (out_axes[1] is `act_seq`): the partial sums are reduce-scattered along it. With
+  tensor_in_fn fn runs both itself, given the group as `tensor=Tensor(...)`
+  (model/fp8.py moves its FP8 casts and reduces its amaxes over the group). Outside a
+  mesh: the plain fn.
 
   whole_mesh: fn runs with every mesh axis manual (model/block_scaled.py: jax 0.10.2's
   partitioner of cuDNN's block-scaled matmul fails on partly manual shardings); the axes
@@ -157,11 +163,15 @@ def matmul(
   device = mesh.abstract_device
   wire = jnp.float32 if device is not None and device.platform == "cpu" else None
 
+  # The logical axes of the tensor split along the sequence: the input at an entry, the
+  # output at an exit (a matmul is one or the other); its gradient crosses the other way.
+  sharded_axes = x_axes if x_axes[1] == SEQUENCE else out_axes
+
   def all_gather(x):
     def gather(x):
       return jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True)
 
-    return _on_own_shards(gather, x, x_axes, automatic)(x).astype(x.dtype)
+    return _on_own_shards(gather, x, sharded_axes, automatic)(x).astype(x.dtype)
 
   def reduce_scatter(y):
     def scatter(y):
@@ -169,7 +179,7 @@ def matmul(
         y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
       )
 
-    return _on_own_shards(scatter, y, out_axes, automatic)(y).astype(y.dtype)
+    return _on_own_shards(scatter, y, sharded_axes, automatic)(y).astype(y.dtype)
 
   # With context parallelism `context` is manual too: its sequence shards are those the
   # gathers over `tensor` complete (left automatic, the partitioner would reshard them).
@@ -190,14 +200,19 @@ def matmul(
 
   def local(x, w):
     w = jax.tree.map(lambda leaf, scalar: leaf[0] if scalar else leaf, w, scalars)
-    entry = x_axes[1] == SEQUENCE
+    entry, exit_ = x_axes[1] == SEQUENCE, out_axes[1] == SEQUENCE
     if tensor_in_fn:
-      collectives = (all_gather, reduce_scatter) if entry else (None, None)
-      group = Tensor(lambda a: jax.lax.pmax(a, every_rank), context_amax, *collectives)
-      y = fn(spec, x, w, tensor=group)
-    else:
-      y = fn(spec, all_gather(x) if entry else x, w)
-    return reduce_scatter(y) if out_axes[1] == SEQUENCE else y
+      group = Tensor(
+        lambda a: jax.lax.pmax(a, every_rank),
+        context_amax,
+        entry,
+        exit_,
+        all_gather,
+        reduce_scatter,
+      )
+      return fn(spec, x, w, tensor=group)
+    y = fn(spec, all_gather(x) if entry else x, w)
+    return reduce_scatter(y) if exit_ else y
 
   x_spec, w_spec, out_spec = (_manual_only(a, manual) for a in (x_axes, w_axes, out_axes))
   w = jax.tree.map(lambda leaf, scalar: _per_rank(leaf, ranks) if scalar else leaf, w, scalars)

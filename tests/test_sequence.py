@@ -82,3 +82,22 @@ def test_region_collectives_stay_on_the_tensor_ranks_on_h100(sizes, fp8):
   n = math.prod(sizes.values())
   devices = targets.target_devices("h100", 1, n)
   _assert_tensor_only(sizes, _compiled_text(sizes, fp8, devices))
+
+
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_fp8_regions_gather_fp8_both_ways_on_h100():
+  """With FP8 every sequence-parallel all-gather moves FP8: the entries' inputs as E4M3
+  forward, the exits' output gradients as E5M2 backward (Transformer Engine's
+  grad_output_preprocess casts before it gathers), half the bytes of bfloat16. The exits'
+  gradients were gathered in bfloat16 before this."""
+  sizes = dict(data=2, fsdp=1, expert=1, context=1, tensor=2, pipeline=1)
+  text = _compiled_text(sizes, True, targets.target_devices("h100", 1, 4))
+  comps, _, _, _ = hlo_text.parse_module(text)
+  gathered = [
+    ins.shape.split("[")[0].lstrip("(")
+    for comp in comps.values()
+    for ins in comp.instrs
+    if ins.opcode.removesuffix("-start") == "all-gather" and "shard_map" in hlo_text.op_name(ins)
+  ]
+  assert "f8e4m3fn" in gathered and "f8e5m2" in gathered, gathered
+  assert not [t for t in gathered if t in ("bf16", "f32")], gathered
