@@ -163,9 +163,10 @@ def matmul(
   device = mesh.abstract_device
   wire = jnp.float32 if device is not None and device.platform == "cpu" else None
 
+  entry, exit_ = x_axes[1] == SEQUENCE, out_axes[1] == SEQUENCE
   # The logical axes of the tensor split along the sequence: the input at an entry, the
   # output at an exit (a matmul is one or the other); its gradient crosses the other way.
-  sharded_axes = x_axes if x_axes[1] == SEQUENCE else out_axes
+  sharded_axes = x_axes if entry else out_axes
 
   def all_gather(x):
     def gather(x):
@@ -200,7 +201,6 @@ def matmul(
 
   def local(x, w):
     w = jax.tree.map(lambda leaf, scalar: leaf[0] if scalar else leaf, w, scalars)
-    entry, exit_ = x_axes[1] == SEQUENCE, out_axes[1] == SEQUENCE
     if tensor_in_fn:
       group = Tensor(
         lambda a: jax.lax.pmax(a, every_rank),
