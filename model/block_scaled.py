@@ -103,9 +103,11 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
       f"per micro-batch (an expert's: sequences x capacity slots) must be multiples of "
       f"{fmt.block}"
     )
-  a = a.astype(jnp.float32)
   tiles = a.reshape(R // tile_rows, tile_rows, K // fmt.block, fmt.block)
+  # abs and max are exact in the operand's own type: taken there, a pass that reduces the
+  # operand reads (and any copy XLA keeps for it holds) bfloat16, not a float32 widening.
   block_amax = jnp.max(jnp.abs(tiles), axis=(1, 3))  # [R / tile_rows, K / block]
+  block_amax = block_amax.astype(jnp.float32)
   if fmt.name == "nvfp4":
     amax = jnp.max(block_amax)
     global_scale = jnp.where(amax > 0, amax / (_E4M3_MAX * fmt.value_max), 1.0)
@@ -116,7 +118,8 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
     scales = jnp.where(block_amax > 0, jnp.exp2(exponent), 1.0).astype(fmt.scales)
   divisor = scales.astype(jnp.float32) * global_scale
   divisor = jnp.where(divisor > 0, divisor, 1.0)[:, None, :, None]
-  values = jnp.clip(tiles / divisor, -fmt.value_max, fmt.value_max).astype(fmt.values)
+  values = tiles.astype(jnp.float32) / divisor
+  values = jnp.clip(values, -fmt.value_max, fmt.value_max).astype(fmt.values)
   return Quantized(
     values.reshape(R, K), jnp.repeat(scales, tile_rows, axis=0), global_scale.astype(jnp.float32)
   )

@@ -3,6 +3,7 @@ emulated GEMM), a tiny model training with them, Hopper refusing them, and a dev
 Blackwell compile carrying cuDNN's block-scaled GEMMs that the HLO reader counts."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -241,10 +242,10 @@ def test_hopper_refuses_block_scaled_formats():
   assert "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
-@pytest.mark.parametrize("fmt, operand", [("nvfp4", "f4e2m1fn"), ("mxfp8", "f8e4m3fn")])
-def test_blackwell_compile_runs_every_weight_gemm_block_scaled(fmt, operand):
-  # Widths of 128 (cuDNN pads a block-scaled GEMM's dimensions to multiples of 128).
+@functools.cache
+def _blackwell_step(fmt: str):
+  """A 2-layer Llama's training step compiled deviceless for B200 with `fmt` matmuls, and
+  its model. Widths of 128: cuDNN pads a block-scaled GEMM's dimensions to multiples of 128."""
   model = dataclasses.replace(
     SMALL_LLAMA,
     d_model=128,
@@ -263,6 +264,13 @@ def test_blackwell_compile_runs_every_weight_gemm_block_scaled(fmt, operand):
     "b200",
     8,
   )
+  return step, model
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
+@pytest.mark.parametrize("fmt, operand", [("nvfp4", "f4e2m1fn"), ("mxfp8", "f8e4m3fn")])
+def test_blackwell_compile_runs_every_weight_gemm_block_scaled(fmt, operand):
+  step, model = _blackwell_step(fmt)
   assert step.compile_target == "cuda", step.note
   scaled = [
     (n, m)
@@ -275,3 +283,24 @@ def test_blackwell_compile_runs_every_weight_gemm_block_scaled(fmt, operand):
   weights = D * D + D * 2 * G * K + D * D + D * 2 * F + F * D
   expected = 3 * 2 * 128 * weights * model.num_layers
   assert sum(n.dot_flops * m for n, m in scaled) == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_blackwell_backward_quantizes_without_float32_copies(fmt):
+  # The block amaxes are taken in the operand's own type (bfloat16 here): XLA then keeps
+  # no float32 widening of a gradient or activation between the amax and the cast passes.
+  # Taking them after a float32 convert, the layer loop's backward wrote four such arrays
+  # per layer (the gate/up gradient transposed, 128 x 512 float32, among them).
+  step, model = _blackwell_step(fmt)
+  tokens = 128
+  widened = [
+    (n.name, n.bytes_written)
+    for n, _ in hlo.walk(step.program)
+    if isinstance(n, hlo.Compute)
+    and not n.dot_flops
+    and n.dtype == "f32"
+    and n.bytes_written >= 4 * tokens * model.d_model
+    and "transpose(jvp())/while" in n.op_name
+  ]
+  assert widened == [], widened
