@@ -412,8 +412,8 @@ class GPT(nnx.Module):
     adapter dropout drawn from dropout_key). scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
     params = {
-      # The router biases stay in the parameter dtype: their cotangents are token counts
-      # (model/moe.py), which bfloat16 would round.
+      # The router biases stay in float32 (model/moe.py): their cotangents are token
+      # counts, which bfloat16 would round.
       name: v[...] if name == moe.BIAS else self._cast(v)
       for name, v in vars(self.layers).items()
       if isinstance(v, nnx.Param)

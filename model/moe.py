@@ -75,8 +75,10 @@ def init_params(
   normal = lambda shape: jax.random.normal(rngs.params(), shape, dt)
   # The router is small (D x E) and every token needs every score: replicated over `expert`.
   layers.router_kernel = nnx.Param(std * normal((L, D, E)), axes=(stack, "embed", None))
-  # A vector per layer: no weight decay (train/optimizer.py decays matrices only).
-  layers.router_bias = nnx.Param(jnp.zeros((L, E), dt), axes=(stack, None))
+  # A vector per layer: no weight decay (train/optimizer.py decays matrices only). Float32
+  # whatever the parameters' type: DeepSeek-V3's steps of 1e-3 are below bfloat16's spacing
+  # once a bias passes 0.25 (Megatron-Core keeps its expert bias in float32 likewise).
+  layers.router_bias = nnx.Param(jnp.zeros((L, E), jnp.float32), axes=(stack, None))
   layers.expert_fc1 = nnx.Param(
     std * normal((L, E, D, 2, F)), axes=(stack, "expert", "embed", "gate_up", "expert_mlp")
   )
