@@ -37,11 +37,13 @@ _REMAT = {
   # would otherwise be stacked over layers by the scan, written in the forward pass
   # and read back in the backward. On CPU those memory passes cost more than the
   # recomputation, and the step's temporary memory roughly halves.
-  # Block-scaled matmuls are custom calls, not dots: their outputs are saved by name.
+  # Block-scaled matmuls are custom calls, not dots: their outputs are saved by name, and
+  # so is the routed experts' combined output (model/moe.py), so that the backward pass
+  # does not redo the combine all-to-all.
   "none": jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_saveable,
     jax.checkpoint_policies.save_only_these_names(
-      block_scaled.OUTPUT_NAME, block_scaled.BATCHED_OUTPUT_NAME
+      block_scaled.OUTPUT_NAME, block_scaled.BATCHED_OUTPUT_NAME, moe.RETURNED_NAME
     ),
   ),
   "full": jax.checkpoint_policies.nothing_saveable,

@@ -128,24 +128,26 @@ def _drain_reduce_specs(
 ) -> tuple:
   """((layer weight, the layout of its gradient: its optimizer state's), ...) for the 1F1B
   drain to reduce over `data` (train.overlap_grad_reduce), or () where the step reduces
-  every gradient after the pipeline: no split optimizer; `fsdp` or `expert` ranks, whose
-  gradients take other layouts; one chunk a rank (V 1: no drain trip comes after a chunk
-  is final but before the last); LoRA and MoE models (adapters; router biases kept in
-  float32); a compute dtype other than the parameters' (the drain reduces the layers'
-  gradients in the compute dtype, the step in the parameters')."""
+  every gradient after the pipeline: no split optimizer; `fsdp` ranks, whose gradients
+  take other layouts; one chunk a rank (V 1: no drain trip comes after a chunk is final
+  but before the last); LoRA (adapters); a compute dtype other than the parameters' (the
+  drain reduces the layers' gradients in the compute dtype, the step in the parameters').
+  `expert` ranks reduce: within a replica the partitioner sums each trip's gradients of
+  the weights shared by the expert ranks over `expert`, and the experts' own are whole.
+  The router biases' entries (the experts' loads, model/moe.py) stay with the step: counts
+  summed in float32, not moved by the optimizer."""
   if not (
     train_cfg.overlap_grad_reduce
     and train_cfg.shard_optimizer
     and train_cfg.pipeline_schedule == "1f1b"
     and train_cfg.virtual_stages > 1
-    and mesh.shape.get("fsdp", 1) == mesh.shape.get("expert", 1) == 1
+    and mesh.shape.get("fsdp", 1) == 1
     and not adapters.enabled
-    and not model_cfg.moe
     and model_cfg.param_dtype == model_cfg.compute_dtype
   ):
     return ()
   layouts = sharding.over_data(params["layers"], mesh)
-  specs = ((name, v.get_value().spec) for name, v in layouts.items())
+  specs = ((name, v.get_value().spec) for name, v in layouts.items() if name != moe.BIAS)
   return tuple((name, spec) for name, spec in specs if one_f_one_b.scatter_dim(spec))
 
 
