@@ -50,6 +50,13 @@ def reduces_in_drain(program: hlo.Program) -> bool:
   return any(one_f_one_b.DRAIN_REDUCE_SCOPE in getattr(n, "op_name", "") for n in program.entry)
 
 
+def drain_reduce_loops(program: hlo.Program) -> list[hlo.Loop]:
+  """The 1f1b drain's reducing loop at the top of the program (one_f_one_b.
+  DRAIN_REDUCE_SCOPE), not the loops inside its trips; none where XLA inlined its one
+  iteration or the drain does not reduce."""
+  return _top_loops(program, _REDUCE_OP)
+
+
 def _top_loops(program: hlo.Program, op_name: re.Pattern) -> list[hlo.Loop]:
   return [n for n in program.entry if isinstance(n, hlo.Loop) and op_name.search(n.op_name)]
 

@@ -24,9 +24,9 @@ from model.attention import attention
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.presets import preset
-from parallelism import one_f_one_b, pipeline
+from parallelism import pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import hlo, targets
+from projection import hlo, step_loops, targets
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -584,14 +584,8 @@ def test_pipelined_moe_gradients_reduced_in_the_drain_match_one_device():
     overlap_grad_reduce=True,
   )
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
-  reducing = [
-    n
-    for n in hlo.analyze(compiled.as_text()).entry
-    if isinstance(n, hlo.Loop) and one_f_one_b.DRAIN_REDUCE_SCOPE in n.op_name
-  ]
-  scatters = [
-    c for loop in reducing for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter"
-  ]
+  (loop,) = step_loops.drain_reduce_loops(hlo.analyze(compiled.as_text()))
+  scatters = [c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter"]
   assert scatters, "no reduce-scatter in the drain's reducing loop"
   _assert_matches_one_device(program, model, compiled, 3, routed)
 

@@ -18,7 +18,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from parallelism import one_f_one_b, pipeline, sequence
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import hlo
+from projection import hlo, step_loops
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -432,17 +432,6 @@ def test_uneven_stages_keep_an_amax_history_per_stored_row():
   np.testing.assert_allclose(losses, reference, rtol=1e-3)
 
 
-def _drain_reduce_loop(program_text: str):
-  """The 1F1B drain's reducing loop of a compiled step (one_f_one_b.DRAIN_REDUCE_SCOPE)."""
-  loops = [
-    n
-    for n in hlo.analyze(program_text).entry
-    if isinstance(n, hlo.Loop) and one_f_one_b.DRAIN_REDUCE_SCOPE in n.op_name
-  ]
-  assert len(loops) == 1
-  return loops[0]
-
-
 def test_gradients_reduced_in_the_drain_match_those_reduced_after():
   """train.overlap_grad_reduce: the layer gradients reduce-scattered over `data` (and summed
   over `context`) in the drain's reducing loop, against the same step reducing them after
@@ -461,7 +450,8 @@ def test_gradients_reduced_in_the_drain_match_those_reduced_after():
     mesh_cfg, 8, model=model, train=dataclasses.replace(train, overlap_grad_reduce=False)
   )
   _assert_same(_train(overlapped), _train(after))
-  loop = _drain_reduce_loop(overlapped.lower(TRAIN.global_batch, MODEL.seq_len).compile().as_text())
+  text = overlapped.lower(TRAIN.global_batch, MODEL.seq_len).compile().as_text()
+  (loop,) = step_loops.drain_reduce_loops(hlo.analyze(text))
   scatters = [
     c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter" and c.group_size == 2
   ]

@@ -91,8 +91,7 @@ def test_h100_drain_reduce_scatter_runs_beside_the_backward_gemms():
   asynchronously, with the trips' backward GEMMs scheduled between its start and done
   (3 chunks a rank: a loop of 2 iterations; XLA inlines a loop of one)."""
   from model.config import ModelConfig
-  from parallelism import one_f_one_b
-  from projection import aot_compile
+  from projection import aot_compile, step_loops
   from train.config import TrainConfig
 
   model = ModelConfig(
@@ -105,11 +104,7 @@ def test_h100_drain_reduce_scatter_runs_beside_the_backward_gemms():
   )  # fmt: skip
   sizes = (("data", 2), ("fsdp", 1), ("expert", 1), ("context", 1), ("tensor", 1), ("pipeline", 4))
   program = aot_compile.compile_step(model, train, sizes, "h100", 4).program
-  (loop,) = [
-    n
-    for n in program.entry
-    if isinstance(n, hlo.Loop) and one_f_one_b.DRAIN_REDUCE_SCOPE in n.op_name
-  ]
+  (loop,) = step_loops.drain_reduce_loops(program)
   gemms = {n.name for n in loop.body if isinstance(n, hlo.Compute) and n.dot_flops}
   # Tensor 1: every reduce-scatter is over `data`.
   scatters = [c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter"]
