@@ -196,6 +196,14 @@ def test_latency_profile_names_the_instructions_xla_schedules(small, capfd, monk
   costs = dict(profile)
   for node, _ in hlo.collectives(untuned.program):
     assert costs[node.scheduling_name] == pytest.approx(timer(node) * 1e6)
+  # Another profile compiles again on the lowering the tuned compile left: a profile changes
+  # only XLA's schedule, so a point's two compiles lower the step once.
+  lowerings = aot_compile._lowered_step.cache_info().misses
+  train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
+  args = (exp.model, train_cfg, tuple(reduced.sizes.items()), H100.name, H100.gpus_per_node)
+  doubled = tuple((name, 2 * cost_us) for name, cost_us in profile)
+  assert aot_compile.compile_step(*args, doubled, exp.lora).program is not None
+  assert aot_compile._lowered_step.cache_info().misses == lowerings
 
 
 def test_save_dots_matmul_flops_and_the_named_loop_on_cpu(toy_experiment):
