@@ -5,9 +5,8 @@ through JAX's CUDA plugin, projection/targets.py, else host CPU devices), the co
 options (`FAST_BACKEND`, the kernel cache of projection/kernel_cache.py, the scheduler's
 memory limit `_scheduler_memory`), the step lowered once (`_lowered_step`), the compile
 itself with its memory and program read back (`compile_step`, cached by everything it
-depends on), and, for an experiment with
-`latency_profile`, a second compile with the first program's projected latency profile
-(`latency_profile`, `compiled_program`).
+depends on), and, for an experiment with `latency_profile`, a second compile with the
+first program's projected latency profile (`latency_profile`, `compiled_program`).
 """
 
 import contextlib
@@ -126,9 +125,10 @@ def compile_step(
 ) -> CompiledStep:
   """The train step compiled for `sizes` on `hw_name`; with a latency `profile`
   (latency_profile) XLA's scheduler plans with those durations (CUDA targets only)."""
-  cached = _lowered_step.cache_info().hits
+  # The lowering's seconds count toward the compile that lowered, not the one that reused it.
+  reused = _lowered_step.cache_info().hits
   step = _lowered_step(model_cfg, train_cfg, sizes, hw_name, gpus_per_node, adapters)
-  lower_s = 0.0 if _lowered_step.cache_info().hits > cached else step.lower_s
+  lower_s = 0.0 if _lowered_step.cache_info().hits > reused else step.lower_s
   program, target = step.program, step.target
   start = time.perf_counter()
   options = None
