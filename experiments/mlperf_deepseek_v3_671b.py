@@ -13,10 +13,11 @@ variants (`gb200_512`, `gb300_8192`), selected by the target's GPU count:
 
 What differs from the published runs (docs/moe.md): the weight matmuls are MXFP8 as
 published, but attention is cuDNN's bf16 kernel (theirs FP8), its values padded to the
-keys' width, and the output head is bf16 (GB300's is MXFP8); no multi-token prediction
-module, capacity buffers of factor 1 (the work of balanced routing; the published runs are
-dropless and not force-balanced), the 3 dense layers run before the pipeline
-(parallelism/gradients.py).
+keys' width, and the output head is bf16 (GB300's is MXFP8); the multi-token prediction
+module runs with the loss on every pipeline rank (its share of the micro-batches), not
+in the last stage's spare slots; capacity buffers of factor 1 (the work of balanced
+routing; the published runs are dropless and not force-balanced), the 3 dense layers run
+before the pipeline (parallelism/gradients.py).
 """
 
 import dataclasses
@@ -120,6 +121,8 @@ MODEL = dataclasses.replace(
   preset("deepseek-v3-671b"),
   param_dtype="bfloat16",
   aux_loss_coef=published.AUX_LOSS_COEF,
+  mtp_layers=published.MTP_LAYERS,
+  mtp_loss_scale=published.MTP_LOSS_SCALE,
   capacity_factor=1.0,
   attention="cudnn",
   block_scaling="mxfp8",

@@ -121,6 +121,13 @@ class ModelConfig:
   q_lora_rank: int = 0
   rope_head_dim: int = 64
   v_head_dim: int = 0
+  # Multi-token prediction (DeepSeek-V3, arXiv:2412.19437 section 2.2): mtp_layers modules
+  # in sequence after the last layer, module k (from 1) predicting the token k beyond the
+  # next one from the previous module's output and the embedding of the token k - 1 beyond
+  # it; their mean cross-entropy joins the loss times mtp_loss_scale (the MLPerf recipe's
+  # 0.1). Each module is one block of the last layer's kind (model/gpt.py `mtp_logits`).
+  mtp_layers: int = 0
+  mtp_loss_scale: float = 0.1
 
   @property
   def mla(self) -> bool:
@@ -166,6 +173,11 @@ class ModelConfig:
   def routed_stack(self) -> "ModelConfig":
     """The routed layers' configuration (the main stack)."""
     return dataclasses.replace(self, num_layers=self.moe_layers, first_dense_layers=0)
+
+  def mtp_stack(self) -> "ModelConfig":
+    """The multi-token prediction modules' blocks: a stack of mtp_layers blocks like the
+    last layer (routed in a mixture of experts)."""
+    return dataclasses.replace(self, num_layers=self.mtp_layers, first_dense_layers=0, mtp_layers=0)
 
   @property
   def d_ff(self) -> int:
@@ -273,6 +285,23 @@ class ModelConfig:
         )
     self._validate_moe()
     self._validate_mla()
+    self._validate_mtp()
+
+  def _validate_mtp(self) -> None:
+    if self.mtp_layers < 0 or self.mtp_loss_scale < 0:
+      raise UserInputError(
+        "model.mtp_layers and model.mtp_loss_scale must be 0 or positive, got "
+        f"{self.mtp_layers} and {self.mtp_loss_scale}"
+      )
+    if self.mtp_layers and self.mtp_layers >= self.seq_len:
+      raise UserInputError(
+        f"model.mtp_layers = {self.mtp_layers} must be below model.seq_len = {self.seq_len}"
+      )
+    if self.mtp_layers and self.fp8:
+      raise UserInputError(
+        "model.mtp_layers > 0 has no per-tensor FP8 path: set model.fp8=false "
+        "(model.block_scaling=mxfp8 or nvfp4 is allowed)"
+      )
 
   def _validate_mla(self) -> None:
     for field in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
@@ -360,6 +389,11 @@ class ModelConfig:
     """The model on a mesh with `context` context-parallel ranks (parallelism/context.py)."""
     if context == 1:
       return
+    if self.mtp_layers:
+      # Its shifted tokens would cross the load-balanced chunks' order (context.permuted).
+      raise UserInputError(
+        f"model.mtp_layers = {self.mtp_layers} runs with mesh.context = 1, got {context}"
+      )
     if self.seq_len % (2 * context):
       raise UserInputError(
         f"model.seq_len = {self.seq_len} does not split into 2 x mesh.context "

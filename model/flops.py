@@ -71,7 +71,21 @@ def param_count(cfg: ModelConfig) -> int:
   norm = D * (2 if cfg.use_bias and cfg.norm == "layernorm" else 1)
   positions = cfg.seq_len * D if cfg.positions == "learned" else 0
   embeddings = V * D + positions + (0 if cfg.tie_embeddings else D * V)
-  return sum(s.num_layers * _layer_param_count(s) for s in _stacks(cfg)) + embeddings + norm
+  return (
+    sum(s.num_layers * _layer_param_count(s) for s in _stacks(cfg))
+    + embeddings
+    + norm
+    + mtp_param_count(cfg)
+  )
+
+
+def mtp_param_count(cfg: ModelConfig) -> int:
+  """The multi-token prediction modules' own parameters (model/gpt.py): each a block,
+  the [2D, D] projection and three norm scales; the embedding and head are shared."""
+  if not cfg.mtp_layers:
+    return 0
+  D = cfg.d_model
+  return cfg.mtp_layers * (_layer_param_count(cfg.mtp_stack()) + 2 * D * D + 3 * D)
 
 
 def routed_expert_param_count(cfg: ModelConfig) -> int:
@@ -120,14 +134,20 @@ def _attention_matmul_params(cfg: ModelConfig) -> int:
 def matmul_param_count(cfg: ModelConfig) -> int:
   """Matmul weights a token uses (active ones in a mixture of experts)."""
   layers = sum(s.num_layers * layer_matmul_param_count(s) for s in _stacks(cfg))
-  return layers + cfg.padded_vocab * cfg.d_model
+  D = cfg.d_model
+  # Each multi-token prediction module: its block, its projection and the shared head.
+  mtp = cfg.mtp_layers * (
+    layer_matmul_param_count(cfg.mtp_stack()) + 2 * D * D + cfg.padded_vocab * D
+  )
+  return layers + cfg.padded_vocab * D + mtp
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
   T = seq_len or cfg.seq_len
   # Q.K^T over the query-key dims, probs.V over the value dims (both K but with latent
   # attention): 3 L T H (K_qk + V), 6 L T H K for the others.
-  attention = 3 * cfg.num_layers * T * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
+  layers = cfg.num_layers + cfg.mtp_layers
+  attention = 3 * layers * T * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
   return 6.0 * matmul_param_count(cfg) + attention
 
 
@@ -183,6 +203,7 @@ def matmul_flops_per_step(
   written, that layout under each policy with either attention, and small models with
   each policy on CPU.
   """
+  mtp = _mtp_matmul_flops(cfg, global_batch, context_ranks)
   if cfg.moe:
     # Each stack at its own depth; a routed layer's expert matmuls run over the capacity
     # buffer's E x C slots a sequence, not the k T assignments (model/moe.py). Equal to a
@@ -190,10 +211,30 @@ def matmul_flops_per_step(
     head = 3 * 2 * cfg.padded_vocab * cfg.d_model * global_batch * cfg.seq_len
     total = -float(len(_stacks(cfg)) - 1) * head
     for s in _stacks(cfg):
-      slots = moe.capacity(s, s.seq_len) * s.num_experts / s.seq_len if s.moe else None
+      slots = _slots(s)
       total += _step_matmul_flops(s, global_batch, context_ranks, None, 1.0, slots)
-    return total
-  return _step_matmul_flops(cfg, global_batch, context_ranks, layer_rows, layer_passes, None)
+    return total + mtp
+  layers = _step_matmul_flops(cfg, global_batch, context_ranks, layer_rows, layer_passes, None)
+  return layers + mtp
+
+
+def _slots(cfg: ModelConfig) -> float | None:
+  """A routed layer's expert slots a token (capacity buffer), None for a dense one."""
+  return moe.capacity(cfg, cfg.seq_len) * cfg.num_experts / cfg.seq_len if cfg.moe else None
+
+
+def _mtp_matmul_flops(cfg: ModelConfig, global_batch: int, context_ranks: int) -> float:
+  """The multi-token prediction modules' matmul FLOPs a step: their blocks (recomputed
+  as the layers are), and per module its projection [2D, D] and the shared head, forward
+  and backward, never recomputed (they run outside the remat boundary)."""
+  if not cfg.mtp_layers:
+    return 0.0
+  blocks = cfg.mtp_stack()
+  # _step_matmul_flops counts one head with the blocks.
+  total = _step_matmul_flops(blocks, global_batch, context_ranks, None, 1.0, _slots(blocks))
+  D, tokens = cfg.d_model, global_batch * cfg.seq_len
+  per_module = 3 * 2 * (2 * D * D + cfg.padded_vocab * D)
+  return total + (cfg.mtp_layers * per_module - 3 * 2 * cfg.padded_vocab * D) * tokens
 
 
 def _step_matmul_flops(

@@ -391,6 +391,17 @@ class GPT(nnx.Module):
       self.layers = Layers(cfg.routed_stack(), rngs, "stage" if pipelined else "layers")
     else:
       self.layers = Layers(cfg, rngs, "stage" if pipelined else "layers", adapters)
+    if cfg.mtp_layers:
+      # Multi-token prediction (ModelConfig.mtp_layers), per module: norms of the incoming
+      # hidden state and of the shifted tokens' embedding, their concatenation [2, D]
+      # projected to D, a block, and the module's own final norm before the shared head.
+      M = cfg.mtp_layers
+      self.mtp_blocks = Layers(cfg.mtp_stack(), rngs)
+      self.mtp_hidden_norm_scale = _ones((M, D), ("layers", "embed"), dt)
+      self.mtp_embed_norm_scale = _ones((M, D), ("layers", "embed"), dt)
+      # The output width unsplit: "embed" already splits the input's over fsdp.
+      self.mtp_proj = _param(rngs.params(), (M, 2, D, D), ("layers", None, "embed", None), 0.02, dt)
+      self.mtp_final_norm_scale = _ones((M, D), ("layers", "embed"), dt)
     self.lnf_scale = _ones((D,), ("embed",), dt)
     if cfg.use_bias and cfg.norm == "layernorm":
       self.lnf_bias = _param(None, (D,), ("embed",), 0, dt)
@@ -496,7 +507,46 @@ class GPT(nnx.Module):
     final = {"lnf_scale": self._cast(self.lnf_scale)}
     if hasattr(self, "lnf_bias"):
       final["lnf_bias"] = self._cast(self.lnf_bias)
-    x = norm(self.cfg, x, final, "lnf")
+    return self._logits(norm(self.cfg, x, final, "lnf"))
+
+  def mtp_logits(
+    self, x: jax.Array, targets: jax.Array, block_cfg: ModelConfig | None = None
+  ) -> list[jax.Array]:
+    """Multi-token prediction: the last layer's output x [B, T, D] and the next tokens
+    targets [B, T] -> for module k = 1 .. mtp_layers, logits [B, T, V] float32 whose
+    position i predicts token i + k + 1, i.e. targets rolled k to the left (its last k
+    positions have no such token: train/step.py masks them). Module k reads the previous
+    module's output (x for the first) and the embedding of token i + k, targets rolled
+    k - 1 (DeepSeek-V3 section 2.2); the embedding table and the head are the model's.
+    block_cfg: the blocks' configuration (default cfg.mtp_stack())."""
+    cfg = self.cfg
+    block_cfg = block_cfg or cfg.mtp_stack()
+    params = {
+      n: v[...] if n == moe.BIAS else self._cast(v)
+      for n, v in vars(self.mtp_blocks).items()
+      if isinstance(v, nnx.Param)
+    }
+    if cfg.block_scaling != "none":
+      params = self._block_scaled(self.mtp_blocks, params)
+    axes = residual_axes(cfg)
+    logits, h = [], x
+    for k in range(cfg.mtp_layers):
+      shifted = constrain(self._token_table()[jnp.roll(targets, -k, axis=1)], axes)
+      scale = lambda name: {"n_scale": self._cast(getattr(self, name))[k]}
+      both = jnp.stack(  # [B, 2, T, D]
+        [
+          norm(cfg, h, scale("mtp_hidden_norm_scale"), "n"),
+          norm(cfg, shifted, scale("mtp_embed_norm_scale"), "n"),
+        ],
+        axis=1,
+      )
+      h = constrain(jnp.einsum("bctd,cde->bte", both, self._cast(self.mtp_proj)[k]), axes)
+      h = run_layers(block_cfg, h, jax.tree.map(lambda a: a[k : k + 1], params))
+      logits.append(self._logits(norm(cfg, h, scale("mtp_final_norm_scale"), "n")))
+    return logits
+
+  def _logits(self, x: jax.Array) -> jax.Array:
+    """The shared output head: normed hidden states [B, T, D] -> logits [B, T, V] float32."""
     if self.cfg.tie_embeddings:
       logits = jnp.einsum("btd,vd->btv", x, self._token_table())
     else:

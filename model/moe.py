@@ -278,31 +278,42 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   return y, dropped
 
 
-def take_loads(grads: nnx.State) -> tuple[nnx.State, jax.Array | None]:
-  """The step's gradients with the router biases' entries zeroed, and those entries: the
-  tokens each expert was given, [L, E] (None without routed layers)."""
-  layers = grads.get("layers") if hasattr(grads, "get") else None
-  if layers is None or BIAS not in layers:
-    return grads, None
-  load = layers[BIAS][...]
-  layers[BIAS] = layers[BIAS].replace(jnp.zeros_like(load))
-  return grads, load.astype(jnp.float32)
+# The parameter stacks whose routed layers carry router biases: the layers, and the
+# multi-token prediction modules' blocks (model/gpt.py).
+ROUTED_STACKS = ("layers", "mtp_blocks")
 
 
-def balance(params: nnx.State, load: jax.Array | None, rate: float) -> nnx.State:
+def take_loads(grads: nnx.State) -> tuple[nnx.State, dict[str, jax.Array] | None]:
+  """The step's gradients with the router biases' entries zeroed, and those entries by
+  stack: the tokens each expert was given, [L, E] (None without routed layers)."""
+  loads = {}
+  for name in ROUTED_STACKS:
+    stack = grads.get(name) if hasattr(grads, "get") else None
+    if stack is None or BIAS not in stack:
+      continue
+    load = stack[BIAS][...]
+    stack[BIAS] = stack[BIAS].replace(jnp.zeros_like(load))
+    loads[name] = load.astype(jnp.float32)
+  return grads, loads or None
+
+
+def balance(params: nnx.State, loads: dict[str, jax.Array] | None, rate: float) -> nnx.State:
   """The router biases moved by rate towards uniform load: + rate where an expert got fewer
   tokens than the mean, - rate where more (DeepSeek-V3 section 2.1.2)."""
-  if load is None or rate <= 0:
+  if loads is None or rate <= 0:
     return params
-  bias = params["layers"][BIAS]
-  step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
-  params["layers"][BIAS] = bias.replace((bias[...] + step).astype(bias[...].dtype))
+  for name, load in loads.items():
+    bias = params[name][BIAS]
+    step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+    params[name][BIAS] = bias.replace((bias[...] + step).astype(bias[...].dtype))
   return params
 
 
-def load_imbalance(load: jax.Array) -> jax.Array:
-  """Mean over layers of the busiest expert's load over the mean load (1: balanced); rows
-  that routed nothing (a pipeline's padding rows, parallelism/pipeline.py) left out."""
+def load_imbalance(loads: dict[str, jax.Array]) -> jax.Array:
+  """Mean over routed layers of the busiest expert's load over the mean load (1:
+  balanced); rows that routed nothing (a pipeline's padding rows, parallelism/pipeline.py)
+  left out."""
+  load = jnp.concatenate(list(loads.values()))  # [layers of every stack, E]
   routed = load.sum(-1) > 0
   ratio = load.max(-1) / jnp.maximum(load.mean(-1), 1e-20)
   return jnp.where(routed, ratio, 0).sum() / jnp.maximum(routed.sum(), 1)

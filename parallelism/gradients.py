@@ -73,6 +73,9 @@ class LossPieces(NamedTuple):
   # The layers' backward adds to weight gradients beyond what the output's cotangent
   # gives (model/moe.py): the 1F1B schedule drops idle trips' weight gradients.
   zero_idle_grads: bool = False
+  # Multi-token prediction (model.mtp_layers): (params, x [b, T, D] the last layer's
+  # output, targets [b, T]) -> its loss, scaled, to add to the mean loss; None: none.
+  mtp: Callable[[Params, jax.Array, jax.Array], jax.Array] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,10 +215,22 @@ def _loss_and_grads(loss_fn: Callable[[Params, Scales, Batch], jax.Array]) -> Lo
 def _whole_model_loss(pieces: LossPieces) -> Callable[[Params, Scales, Batch], jax.Array]:
   def loss_fn(params, scales, batch):
     x = pieces.embed(params, batch["inputs"])
-    logits = pieces.head(params, pieces.run_layers(x, pieces.stack(params, scales)))
-    return pieces.loss(logits, batch["targets"])
+    x = pieces.run_layers(x, pieces.stack(params, scales))
+    return pieces.loss(pieces.head(params, x), batch["targets"]) + _mtp(pieces, params, x, batch)
 
   return loss_fn
+
+
+def _mtp(pieces: LossPieces, params: Params, x: jax.Array, batch: Batch, axis=None) -> jax.Array:
+  """The multi-token prediction loss of x [..., b, T, D] (0 without): vmapped over the
+  leading axes, spmd over `axis`, their mean."""
+  if pieces.mtp is None:
+    return jnp.zeros((), jnp.float32)
+  fn = lambda y, targets: pieces.mtp(params, y, targets)
+  for _ in range(x.ndim - 3):
+    fn = jax.vmap(fn, spmd_axis_name=axis)
+  with rules.vmapped(*([axis] if axis and x.ndim > 3 else [])):
+    return fn(x, batch["targets"]).mean()
 
 
 def _is_layer_weight(path, names) -> str | None:
@@ -293,7 +308,7 @@ def _lockstep(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       pieces.run_layers, pieces.stack(params, scales), x, stages, virtual, _active_rows(plan)
     )
     logits = jax.vmap(lambda y: pieces.head(params, y), spmd_axis_name=spread)(x)
-    return pieces.loss(logits, micro["targets"])
+    return pieces.loss(logits, micro["targets"]) + _mtp(pieces, params, x, micro, spread)
 
   pass_grads = _loss_and_grads(pass_loss)
 
@@ -364,14 +379,22 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
     reduced = dict(plan.reduce_specs)
 
     def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
-      def group_loss(rest, ys):
+      # Differentiated rank by rank, so that each rank's gradients of the head's weights
+      # stay its own until one_f_one_b.run sums them after the loops: summed here, they
+      # were all-reduced over `pipeline` once a group (DeepSeek-V3 at 512 GB200: the head's
+      # and the MTP module's, 60 times a step).
+      def rank_loss(rest, y, targets):  # y [mb, T, D], one micro-batch
         whole = pieces.join_params(rest, layers)
-        logits = jax.vmap(lambda y: pieces.head(whole, y), spmd_axis_name=axis)(ys)
-        return pieces.loss(logits, group_targets[group]) * stages / micro_batches
+        loss = pieces.loss(pieces.head(whole, y), targets)
+        return (loss + _mtp(pieces, whole, y, {"targets": targets})) / micro_batches
 
-      loss, vjp = jax.vjp(group_loss, rest, ys)
-      d_rest, d_ys = vjp(jnp.ones_like(loss))
-      return loss, d_ys, d_rest
+      def rank(y, targets):
+        loss, vjp = jax.vjp(lambda rest, y: rank_loss(rest, y, targets), rest, y)
+        d_rest, d_y = vjp(jnp.ones_like(loss))
+        return loss, d_y, d_rest
+
+      losses, d_ys, d_rest = jax.vmap(rank, spmd_axis_name=axis)(ys, group_targets[group])
+      return losses.sum(), d_ys, d_rest
 
     loss, d_weights, amaxes, d_x, d_rest = one_f_one_b.run(
       chunk,

@@ -425,7 +425,8 @@ def run(
   constants: stacked arrays the chunks read but are not differentiated for (FP8 weight
   casts). inputs [P, M, b, ...]: the embedded micro-batches, each rank's own copy (rank 0
   reads them). head(ys, g): on group g's last-layer outputs ys [P, b, ...], its loss, the
-  loss's gradient for ys and any gradients of its own. activation_axes: the logical axes
+  loss's gradient for ys and any gradients of its own, per rank ([P, ...] each: summed
+  over the ranks once, after the loops, not in every group). activation_axes: the logical axes
   of a micro-batch's activations [b, ...]. active: an uneven split's `pipeline.active_rows`
   [P, V C] (None: even); chunk_fn then takes a fifth argument, the chunk's rows' [C] flags.
   zero_idle_grads: an idle trip's weight gradient is dropped, for layers whose backward adds
@@ -600,7 +601,7 @@ def run(
   D, G, steady = plan.delay, plan.groups, plan.group_trips
   head_shapes = jax.eval_shape(head, jnp.zeros((P, *sample.shape), sample.dtype), 0)
   loss = jnp.zeros((), jnp.float32)
-  head_grads = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), head_shapes[2])
+  head_grads = jax.tree.map(lambda a: pin(jnp.zeros(a.shape, a.dtype)), head_shapes[2])
   with rules.vmapped(MESH_AXIS):
     with jax.named_scope(FILL_SCOPE):
       carry = loop(carry, rows[:D], True, False)
@@ -637,4 +638,8 @@ def run(
   if dims:
     d_weights = {**d_weights, **{n: unstack(a) for n, a in carry.reduced.items()}}
 
+  # Summed in their own dtype, one reduction over `pipeline` a step (jnp.sum would
+  # convert bfloat16 to float32 first and move twice the bytes).
+  ranks_sum = lambda a: jax.lax.reduce(a, jnp.zeros((), a.dtype), jax.lax.add, (0,))
+  head_grads = jax.tree.map(ranks_sum, head_grads)
   return loss, d_weights, d_scales, carry.d_inputs[:, :M], head_grads

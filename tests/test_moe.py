@@ -12,6 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from projected import projected
@@ -22,7 +23,7 @@ from experiments import overrides
 from model import flops, moe
 from model.attention import attention
 from model.config import ModelConfig
-from model.gpt import GPT
+from model.gpt import GPT, run_layers
 from model.presets import preset
 from parallelism import pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
@@ -96,13 +97,17 @@ BLOCKED = dataclasses.replace(
 )
 
 
+# With DeepSeek-V3's multi-token prediction module (a routed block after the last layer).
+MTP_MODEL = dataclasses.replace(MODEL, mtp_layers=1)
+
+
 @pytest.mark.parametrize(
   "mesh_cfg, model, sequence_parallel",
   [
-    (MeshConfig(data=2, expert=2, tensor=2), MODEL, False),
+    (MeshConfig(data=2, expert=2, tensor=2), MTP_MODEL, False),
     (MeshConfig(data=2, expert=2, tensor=2), GQA_MODEL, True),
   ],
-  ids=["data2-expert2-tensor2", "data2-expert2-tensor2-sequence-parallel"],
+  ids=["data2-expert2-tensor2-mtp", "data2-expert2-tensor2-sequence-parallel"],
 )
 def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel):
   devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.tensor
@@ -293,8 +298,8 @@ def test_bias_balancing_evens_a_skewed_load():
     experts = moe.route(cfg, logits, bias[0])[0]
     load = moe.slots(experts, E, 64)[1].sum(0)[None].astype(jnp.float32)
     params = nnx.State({"layers": {"router_bias": nnx.Param(bias)}})
-    new = moe.balance(params, load, 0.01)["layers"]["router_bias"][...]
-    return new, moe.load_imbalance(load)
+    new = moe.balance(params, {"layers": load}, 0.01)["layers"]["router_bias"][...]
+    return new, moe.load_imbalance({"layers": load})
 
   bias, imbalance = jnp.zeros((1, E)), []
   for _ in range(30):
@@ -341,12 +346,14 @@ def test_balance_loss_pushes_scores_from_the_busiest_expert():
   assert grad[-1] > 0 > grad[0]  # the most chosen expert's logit is pushed down
 
 
-def test_matmul_flops_formula_counts_the_compiled_moe_step():
+@pytest.mark.parametrize("mtp_layers", [0, 2])
+def test_matmul_flops_formula_counts_the_compiled_moe_step(mtp_layers):
   """One CPU device, full remat: latent attention, the dense first layer, the router, the
   shared expert and the routed experts over their capacity buffers' E x C slots, forward,
-  backward and recomputed, equal the compiled dots' FLOPs exactly. (Also checked when this
-  was written: remat none, and dropless.)"""
-  model = dataclasses.replace(MODEL, remat="full")
+  backward and recomputed, and two multi-token prediction modules (routed blocks,
+  projections, the shared head twice more), equal the compiled dots' FLOPs exactly. (Also
+  checked when this was written: remat none, and dropless.)"""
+  model = dataclasses.replace(MODEL, remat="full", mtp_layers=mtp_layers)
   mesh = build_mesh(plan(MeshConfig(data=1), 1), jax.devices()[:1])
   step = train_step.build(model, TrainConfig(global_batch=2), mesh)
   program = hlo.analyze(step.lower(2, model.seq_len).compile().as_text())
@@ -441,6 +448,58 @@ def test_parameter_counts_from_abstract_shapes(name, total, active):
   assert abs(used / active - 1) < 0.02, used  # published to 2 figures
 
 
+def test_deepseek_v3_mtp_module_parameters():
+  """DeepSeek-V3 with its one multi-token prediction module: 685B, "671B of the Main Model
+  weights and 14B of the Multi-Token Prediction (MTP) Module weights"
+  (https://huggingface.co/deepseek-ai/DeepSeek-V3), whose checkpoint stores the module
+  with its own copies of the embedding and head; here they are shared (2 V D fewer)."""
+  cfg = dataclasses.replace(preset("deepseek-v3-671b"), mtp_layers=1)
+  abstract = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0)))
+  count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  assert count == flops.param_count(cfg)
+  copies = 2 * cfg.padded_vocab * cfg.d_model
+  assert abs((count + copies) / 685e9 - 1) < 0.005, count  # published to 3 figures
+
+
+def test_mtp_modules_see_no_token_they_predict():
+  """Module k's logits at position i read tokens up to i + k and predict token i + k + 1
+  (targets [B, T] hold token i + 1 at i): changing targets[:, j] leaves module 1's logits
+  before j and module 2's before j - 1 unchanged and changes them there (a shift the wrong
+  way or one too far would fail). The loss is the scaled mean over the modules of each
+  one's cross-entropy on the positions that have its token. Dropless, so that no token's
+  routing depends on another's."""
+  cfg = dataclasses.replace(MODEL, capacity_factor=0.0, mtp_layers=2)
+  model = GPT(cfg, nnx.Rngs(0))
+  T, j = cfg.seq_len, 5
+  inputs = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
+  targets = jnp.roll(inputs, -1, axis=1)
+
+  def logits(targets):
+    x = run_layers(cfg, model.embed(inputs), model.layer_params())
+    return model.mtp_logits(x, targets)
+
+  before, after = (
+    logits(targets),
+    logits(targets.at[:, j].set((targets[:, j] + 1) % cfg.vocab_size)),
+  )
+  for k, (a, b) in enumerate(zip(before, after, strict=True), start=1):
+    changed = np.abs(np.asarray(a - b)).max(axis=(0, 2)) > 0  # [T]
+    assert not changed[: j - k + 1].any() and changed[j - k + 1], (k, changed)
+  ce = [
+    optax.softmax_cross_entropy_with_integer_labels(lg[:, : T - k], targets[:, k:]).mean()
+    for k, lg in enumerate(before, start=1)
+  ]
+  # The same float32 means summed in another order: a few ulps.
+  np.testing.assert_allclose(
+    train_step.mtp_loss(before, targets, 0.1), 0.1 * (ce[0] + ce[1]) / 2, rtol=1e-6
+  )
+
+
+def test_mtp_with_context_parallelism_is_refused():
+  with pytest.raises(UserInputError, match="model.mtp_layers = 1 runs with mesh.context = 1"):
+    MTP_MODEL.validate_context(2, 1, 1)
+
+
 def test_moe_experiment_selects_sizes():
   exp = overrides.apply(experiments.load("moe"), ["model=deepseek-v3-671b"])
   assert exp.model.num_experts == 256 and exp.model.first_dense_layers == 3
@@ -470,6 +529,7 @@ def test_moe_experiment_selects_sizes():
     (["precision=mxfp8"], None),
     (["precision=nvfp4"], None),
     (["precision=fp8"], "model.fp8 = true"),
+    (["model.mtp_layers=-1"], "model.mtp_layers and model.mtp_loss_scale"),
   ],
   ids=[
     "fits",
@@ -481,6 +541,7 @@ def test_moe_experiment_selects_sizes():
     "mxfp8",
     "nvfp4",
     "fp8",
+    "mtp-layers",
   ],
 )
 def test_bad_moe_input_is_refused(assignments, message):
@@ -546,15 +607,16 @@ def _assert_matches_one_device(program, model, compiled, virtual_stages: int, ro
 
 
 def test_pipelined_moe_step_matches_one_device():
-  """The dense first layer before the pipeline, the routed ones in it (1F1B), on 2
-  replicas x expert 2 x pipeline 2: the same losses, loads and parameters as one device.
+  """The dense first layer before the pipeline, the routed ones in it (1F1B), the
+  multi-token prediction module with the loss, on 2 replicas x expert 2 x pipeline 2: the
+  same losses, loads and parameters as one device.
   3 routed layers in 2 chunks of 2 slots leave one padding row, skipped. The balance loss's
   gradient is scaled by 1 / M and the padding row's and idle trips' loads dropped, or they
   would differ. The routing's top-k stays on each rank: jax.lax.top_k under the 1F1B ranks'
   vmap is partitioned by gathering the scores of every data, expert and pipeline rank
   (DeepSeek-V3 on 512 GB200: 15,408 all-gathers of 1 GiB a step), moe.top_k is not."""
   routed = 3
-  model = dataclasses.replace(MODEL, num_layers=1 + routed)
+  model = dataclasses.replace(MTP_MODEL, num_layers=1 + routed)
   program = _pipelined(model, MeshConfig(data=2, expert=2, pipeline=2), 1)
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
   gather = re.compile(r"all-gather(-start)?\(")

@@ -46,6 +46,19 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def mtp_loss(logits: list[jax.Array], targets: jax.Array, scale: float) -> jax.Array:
+  """Multi-token prediction's loss: scale x the mean over the modules of each one's mean
+  cross-entropy. Module k's logits [B, T, V] predict targets [B, T] rolled k to the left
+  (model/gpt.py `mtp_logits`); its last k positions have no such token and are left out."""
+  T, total = targets.shape[-1], jnp.zeros((), jnp.float32)
+  for k, module_logits in enumerate(logits, start=1):
+    labels = jnp.roll(targets, -k, axis=-1)
+    per_token = optax.softmax_cross_entropy_with_integer_labels(module_logits, labels)
+    valid = jnp.arange(T) < T - k
+    total += jnp.where(valid, per_token, 0).sum() / (valid.sum() * (per_token.size // T))
+  return scale * total / len(logits)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
   """Everything needed to initialise, lower and run the train step on one mesh."""
@@ -95,6 +108,17 @@ def loss_pieces(
     split_stack=fp8.split_casts,
     join_stack=fp8.with_casts,
     activation_axes=residual_axes(model_cfg),
+    mtp=_mtp(model_cfg, model),
+  )
+
+
+def _mtp(model_cfg: ModelConfig, model: Callable, block_cfg: ModelConfig | None = None):
+  """LossPieces.mtp: the multi-token prediction loss of the last layer's output, or None."""
+  if not model_cfg.mtp_layers:
+    return None
+  scale = model_cfg.mtp_loss_scale
+  return lambda params, x, targets: mtp_loss(
+    model(params).mtp_logits(x, targets, block_cfg), targets, scale
   )
 
 
@@ -112,10 +136,12 @@ def _pieces(
   scaled = dataclasses.replace(
     model_cfg, aux_loss_coef=model_cfg.aux_loss_coef / plan.micro_batches
   )
+  model = lambda params: nnx.merge(graphdef, params)
   return pieces._replace(
     run_layers=functools.partial(run_layers, scaled),
-    prefix=lambda params, x: nnx.merge(graphdef, params).prefix(x),
+    prefix=lambda params, x: model(params).prefix(x),
     zero_idle_grads=True,
+    mtp=_mtp(model_cfg, model, scaled.mtp_stack()),
   )
 
 
