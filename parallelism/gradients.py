@@ -380,9 +380,9 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
 
     def head(ys, group):  # ys [P, mb, T, D]: a group's last-layer outputs
       # Differentiated rank by rank, so that each rank's gradients of the head's weights
-      # stay its own until one_f_one_b.run sums them after the loops: summed here, they
-      # were all-reduced over `pipeline` once a group (DeepSeek-V3 at 512 GB200: the head's
-      # and the MTP module's, 60 times a step).
+      # stay its own until one_f_one_b.run sums them after the loops: summed over the
+      # ranks here, they would be all-reduced over `pipeline` once a group (DeepSeek-V3 at
+      # 512 GB200: the head's and the MTP module's, 60 times a step).
       def rank_loss(rest, y, targets):  # y [mb, T, D], one micro-batch
         whole = pieces.join_params(rest, layers)
         loss = pieces.loss(pieces.head(whole, y), targets)

@@ -426,8 +426,8 @@ def run(
   casts). inputs [P, M, b, ...]: the embedded micro-batches, each rank's own copy (rank 0
   reads them). head(ys, g): on group g's last-layer outputs ys [P, b, ...], its loss, the
   loss's gradient for ys and any gradients of its own, per rank ([P, ...] each: summed
-  over the ranks once, after the loops, not in every group). activation_axes: the logical axes
-  of a micro-batch's activations [b, ...]. active: an uneven split's `pipeline.active_rows`
+  over the ranks once, after the loops, not in every group). activation_axes: the logical
+  axes of a micro-batch's activations [b, ...]. active: an uneven split's `pipeline.active_rows`
   [P, V C] (None: even); chunk_fn then takes a fifth argument, the chunk's rows' [C] flags.
   zero_idle_grads: an idle trip's weight gradient is dropped, for layers whose backward adds
   to it beyond what their zeroed output cotangent gives (model/moe.py's loads and balance
