@@ -424,19 +424,9 @@ class GPT(nnx.Module):
     every layer call of the step; with LoRA the target kernels as lora.LoraWeight (their
     adapter dropout drawn from dropout_key). scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
-    params = {
-      # The router biases stay in float32 (model/moe.py): their cotangents are token
-      # counts, which bfloat16 would round.
-      name: v[...] if name == moe.BIAS else self._cast(v)
-      for name, v in vars(self.layers).items()
-      if isinstance(v, nnx.Param)
-    }
+    params = self._cast_stack(self.layers)
     if hasattr(self, "dense_layers") and not self.pipelined:
-      params["dense_prefix"] = {
-        name: self._cast(v)
-        for name, v in vars(self.dense_layers).items()
-        if isinstance(v, nnx.Param)
-      }
+      params["dense_prefix"] = self._cast_stack(self.dense_layers)
     if self.cfg.fp8:
       names = kernels(self.cfg)
       if scales and set(scales) != set(names):
@@ -460,6 +450,23 @@ class GPT(nnx.Module):
     if self.adapters is not None:
       params = lora.adapted(self.layers, params, scales or {}, self.adapters, dropout_key)
     return params
+
+  def _cast_stack(self, layers: Layers) -> dict[str, jax.Array]:
+    """A stack's parameters in the compute dtype. The router biases stay in float32
+    (model/moe.py): their cotangents are token counts, which bfloat16 would round."""
+    return {
+      name: v[...] if name == moe.BIAS else self._cast(v)
+      for name, v in vars(layers).items()
+      if isinstance(v, nnx.Param)
+    }
+
+  def _compute_stack(self, layers: Layers) -> dict:
+    """A stack run outside layer_params (the pipelined dense prefix, the multi-token
+    prediction blocks): cast, and block-scaled where the model is."""
+    params = self._cast_stack(layers)
+    if self.cfg.block_scaling == "none":
+      return params
+    return self._block_scaled(layers, params)
 
   def _block_scaled(self, layers: Layers, params: dict) -> dict:
     """params (one stack's, in the compute dtype) with each block-scaled weight matmul's
@@ -495,12 +502,7 @@ class GPT(nnx.Module):
     """Pipelined: the dense first layers of a MoE model on x [B, T, D] (identity without)."""
     if not hasattr(self, "dense_layers"):
       return x
-    params = {
-      n: self._cast(v) for n, v in vars(self.dense_layers).items() if isinstance(v, nnx.Param)
-    }
-    if self.cfg.block_scaling != "none":
-      params = self._block_scaled(self.dense_layers, params)
-    return run_layers(self.cfg.dense_prefix(), x, params)
+    return run_layers(self.cfg.dense_prefix(), x, self._compute_stack(self.dense_layers))
 
   def head(self, x: jax.Array) -> jax.Array:
     """The last layer's output [B, T, D] -> logits [B, T, V] float32."""
@@ -521,13 +523,7 @@ class GPT(nnx.Module):
     block_cfg: the blocks' configuration (default cfg.mtp_stack())."""
     cfg = self.cfg
     block_cfg = block_cfg or cfg.mtp_stack()
-    params = {
-      n: v[...] if n == moe.BIAS else self._cast(v)
-      for n, v in vars(self.mtp_blocks).items()
-      if isinstance(v, nnx.Param)
-    }
-    if cfg.block_scaling != "none":
-      params = self._block_scaled(self.mtp_blocks, params)
+    params = self._compute_stack(self.mtp_blocks)
     axes = residual_axes(cfg)
     logits, h = [], x
     for k in range(cfg.mtp_layers):
