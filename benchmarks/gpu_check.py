@@ -69,6 +69,7 @@ from benchmarks.gpu_check_report import (  # noqa: E402
 )
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
+from hardware import catalog  # noqa: E402
 from hardware.catalog import Hardware  # noqa: E402
 from measure import host_calibration, rates  # noqa: E402
 from measure.point import PointOptions, run_point  # noqa: E402
@@ -107,7 +108,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument(
     "--hardware",
     default=None,
-    help="catalog entry to project onto (default: h200; host with --dry_run)",
+    help="catalog entry to project onto (default: the catalog entry this GPU's name names, "
+    "h200 if none; host with --dry_run)",
   )
   parser.add_argument(
     "--only",
@@ -152,8 +154,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.error("--output_dir: empty; name a directory")
   if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
     parser.error(f"--output_dir {args.output_dir} is a file, not a directory")
-  args.hardware = (args.hardware or ("host" if args.dry_run else "h200")).strip().lower()
+  args.hardware = args.hardware and args.hardware.strip().lower()
   return args
+
+
+def catalog_entry_for(device_kind: str) -> str:
+  """The catalog entry a GPU's name names ("NVIDIA H100 80GB HBM3": h100), h200 if none;
+  the longest name first, so that a GB200 is not read as a B200."""
+  for name in sorted(catalog.names(), key=len, reverse=True):
+    if name.upper() in device_kind.upper():
+      return name
+  return "h200"
 
 
 def experiment(
@@ -339,6 +350,8 @@ def main(argv: list[str]) -> int:
   args = parse_args(argv)
   started = time.perf_counter()
   device = _device(args.dry_run)
+  if not args.hardware:
+    args.hardware = "host" if args.dry_run else catalog_entry_for(device.device_kind)
   hw = host_calibration.hardware(args.hardware, 1)
   if not args.dry_run and hw.name.upper() not in device.device_kind.upper():
     print(f"note: projecting onto {hw.name} while this device is {device.device_kind}")

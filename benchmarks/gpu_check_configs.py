@@ -56,6 +56,29 @@ CONFIGS = (
     ("precision=fp8", "train.global_batch=8"),
     _XLA_ATTENTION,
   ),
+  # DeepSeek-V3's layer shapes (d_model 7,168, latent attention, experts of 2,048, a shared
+  # expert, sigmoid group-limited routing), cut to 3 layers (1 dense), 8 experts of which 4
+  # a token and a 32K vocabulary so that its 2.2 B parameters and Adam state fit an H100.
+  Config(
+    "moe",
+    "mixture of experts: DeepSeek-V3 layer shapes, 3 layers, 8 experts (4 a token) as "
+    "capacity-buffer einsums, latent attention, cuDNN attention, 2 x 4096 tokens",
+    (
+      "model=deepseek-v3-671b",
+      "model.num_layers=3",
+      "model.first_dense_layers=1",
+      "model.num_experts=8",
+      "model.experts_per_token=4",
+      "model.router_groups=4",
+      "model.router_topk_groups=2",
+      "model.vocab_size=32768",
+      "model.capacity_factor=1",
+      "model.attention=cudnn",
+      "train.global_batch=2",
+    ),
+    ("model=moe-tiny", "model.capacity_factor=1", "train.global_batch=8"),
+    ("model.attention=xla", "train.global_batch=1"),
+  ),
   # Last, so the time budget drops it first. Llama 3.2 1B: Meta's shapes (model/presets.py).
   Config(
     "llama",

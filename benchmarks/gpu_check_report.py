@@ -96,6 +96,24 @@ def kernel_table(kernels: dict) -> list[str]:
     "\nruns: events in the trace / executions the program makes (loop trips "
     "counted); projected ms leaves out the per-kernel launch overhead."
   )
+  by_class = kernels.get("by_class")
+  if by_class:
+    lines += [
+      "",
+      "| kernel class | kernels traced | measured ms | ops projected (runs) | projected ms | "
+      "error |",
+      "|" + "---|" * 6,
+    ]
+    for name, c in by_class.items():
+      lines.append(
+        f"| {name} | {c['events']} | {ms(c['measured_s'])} | {c['runs']} | "
+        f"{ms(c['projected_s'])} | {ratio(c['projected_s'], c['measured_s'])} |"
+      )
+    lines.append(
+      "\nkernel class: a traced kernel by its name (cuBLAS's and cuDNN's kernels name no "
+      "op inside a CUDA graph), a projected op by its opcode and kind; an op XLA emits "
+      "as several kernels counts each."
+    )
   return lines
 
 

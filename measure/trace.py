@@ -29,17 +29,46 @@ class TraceOps:
 _HLO_OP = re.compile(r"hlo_op=([^,#:]+)")
 # Ops that hold others (a CPU trace nests a loop's ops inside its while event).
 _CONTAINERS = re.compile(r"^(while|conditional|call)([._]|$)")
+# A CUDA graph XLA built of a run of ops (a command buffer): its kernels' events name the
+# graph, not their op.
+_COMMAND_BUFFER = re.compile(r"^command_buffer")
+
+# Kernel classes, by the kernel's name in a GPU trace (cuBLAS's nvjet / xmma / gemm, cuDNN's
+# attention) and by the op in the program: what a trace of a step in CUDA graphs, whose
+# library kernels name no op, can still set beside the projection.
+CLASSES = ("gemm", "attention", "copy", "fusion")
+_GEMM_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass|cublas", re.IGNORECASE)
+_ATTENTION_KERNEL = re.compile(r"cudnn|sdpa|fmha|flash", re.IGNORECASE)
+_COPY_KERNEL = re.compile(r"^(memcpy|memset)", re.IGNORECASE)
+
+
+def kernel_class(kernel: str) -> str:
+  """The class of a traced kernel, by its name."""
+  if _ATTENTION_KERNEL.search(kernel):
+    return "attention"
+  if _GEMM_KERNEL.search(kernel):
+    return "gemm"
+  return "copy" if _COPY_KERNEL.search(kernel) else "fusion"
+
+
+def op_class(op: OpCost) -> str:
+  """The class of a projected op: cuDNN attention, a matmul, a copy, else a fusion."""
+  if "fmha" in op.kind:
+    return "attention"
+  if op.opcode in ("dot", "convolution") or "cublas" in op.kind or "Dot" in op.kind:
+    return "gemm"
+  return "copy" if op.opcode in ("copy", "copy-start") else "fusion"
 
 
 def _op_of(name: str, stats: dict, device_plane: bool) -> str | None:
   """The HLO op an event ran: its hlo_op stat, an annotation naming one, or on a GPU's
-  plane the kernel's own name (XLA names a fusion's kernel after the fusion)."""
-  if stats.get("hlo_op"):
-    return str(stats["hlo_op"])
+  plane the kernel's own name (XLA names a fusion's kernel after the fusion; a kernel of
+  a command buffer goes by its own name too)."""
+  found = [str(stats["hlo_op"])] if stats.get("hlo_op") else []
   for key in ("kernel_annotation", "annotation", "tf_op", "long_name"):
-    found = _HLO_OP.findall(str(stats.get(key, "")))
-    if found:
-      return found[-1]
+    found = found or _HLO_OP.findall(str(stats.get(key, "")))
+  if found and not (device_plane and _COMMAND_BUFFER.match(found[-1])):
+    return found[-1]
   return name if device_plane else None
 
 
@@ -144,6 +173,17 @@ def compare_ops(
     )
   rows.sort(key=lambda r: -r["measured_s"])
   matched = {_key(r["op"]) for r in rows if r["projected_s"] is not None}
+  by_class = {c: {"measured_s": 0.0, "events": 0, "projected_s": 0.0, "runs": 0} for c in CLASSES}
+  for name, seconds in trace.seconds.items():
+    op = by_key.get(_key(name))
+    if op is None and _CONTAINERS.match(name):
+      continue
+    entry = by_class[op_class(op) if op else kernel_class(name)]
+    entry["measured_s"] += seconds
+    entry["events"] += trace.runs[name]
+  for op in projected.values():
+    by_class[op_class(op)]["projected_s"] += op.seconds
+    by_class[op_class(op)]["runs"] += op.runs
   return {
     "source": trace.source,
     "events": trace.events,
@@ -158,6 +198,7 @@ def compare_ops(
     # Of the traced step, what no op's event covers: launches, gaps, host work.
     "measured_idle_s": max(traced_step_s - matched_s - unmatched_s, 0.0),
     "top": rows[:top],
+    "by_class": by_class,
   }
 
 

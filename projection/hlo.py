@@ -32,7 +32,8 @@ Conventions (per device, since an SPMD program is one device's program):
 Control flow: while -> Loop (trip count from backend_config "known_trip_count", else from
 the condition's compare-with-constant; op_name from its metadata: the jax.named_scope path
 that says what the loop is); call and async compute are inlined; conditional inlines its
-branch with the most FLOPs (an upper bound). A while condition is not costed.
+branch with the most FLOPs (an upper bound). An async fusion (fusion-start / fusion-done)
+is costed as the fusion it calls. A while condition is not costed.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ _FREE = {
   "async-update",
   "async-done",
   "copy-done",
+  "fusion-done",
 }
 # cuDNN's block-scaled (MXFP8 / NVFP4) matmul, as XLA's BlockScalingRewriter emits it for
 # Blackwell (docs/blackwell_formats.md).
@@ -274,6 +276,11 @@ class _Analyzer:
     nodes: list[Node] = []
     open_starts: dict[str, int] = {}  # async start name -> index in nodes
     for ins in comp.instrs:
+      if ins.opcode == "fusion-start":
+        # An async fusion (XLA's GPU compiler in jax 0.11 runs dynamic slices and in-place
+        # updates of stacked layers so): the fusion it calls, costed once; its done is free.
+        fused = self.comps[ins.attrs["calls"].lstrip("%")]
+        ins = replace(ins, opcode="fusion", shape=fused.root.shape)
       op = ins.opcode
       coll = self._collective(ins, comp)
       if coll is not None:
