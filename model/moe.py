@@ -38,10 +38,11 @@ Grouped GEMMs as capacity-buffer einsums, not jax.lax.ragged_dot. jax 0.10.2 com
 ragged_dot for a CUDA target (deviceless, projection/aot_compile.py) as a dense dot over
 every group, the input masked per group: DeepSeek-V3's up-projection on one GPU of EP 32
 ([4,096, 7,168] x [32, 7,168, 2,048]) compiles to 32.0x the grouped GEMM's FLOPs, forward and
-backward (`python benchmarks/ragged_dot_check.py`). The buffer's static [E, C] shape also lets
-the GSPMD partitioner split the experts over `expert` with sharding constraints alone, and
-its matmuls have the shapes a balanced routing gives, which is what the projection costs
-(routing taken as balanced). The price is padding: C slots per expert whether filled or not
+backward (`python benchmarks/ragged_dot_check.py`); timed on an H100 with jax 0.11.2 it is
+still so, 8.2x slower than these einsums (`--measure`, docs/gpu_check.md). The buffer's
+static [E, C] shape also lets the GSPMD partitioner split the experts over `expert` with
+sharding constraints alone, and its matmuls have the shapes a balanced routing gives,
+which is what the projection costs (routing taken as balanced). The price is padding: C slots per expert whether filled or not
 (capacity_factor x the assigned tokens; dropless, E / k times).
 
 Shapes: B sequences, T tokens, D d_model, E experts, k experts a token, C capacity, F expert
