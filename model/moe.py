@@ -42,8 +42,9 @@ backward (`python benchmarks/ragged_dot_check.py`); timed on an H100 with jax 0.
 still so, 8.2x slower than these einsums (`--measure`, docs/gpu_check.md). The buffer's
 static [E, C] shape also lets the GSPMD partitioner split the experts over `expert` with
 sharding constraints alone, and its matmuls have the shapes a balanced routing gives,
-which is what the projection costs (routing taken as balanced). The price is padding: C slots per expert whether filled or not
-(capacity_factor x the assigned tokens; dropless, E / k times).
+which is what the projection costs (routing taken as balanced). The price is padding: C
+slots per expert whether filled or not (capacity_factor x the assigned tokens; dropless,
+E / k times).
 
 Shapes: B sequences, T tokens, D d_model, E experts, k experts a token, C capacity, F expert
 width, G router groups.
