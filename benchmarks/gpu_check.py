@@ -2,32 +2,34 @@
 compiled step onto that GPU's catalog entry: one command for a lent single-GPU machine.
 
 For each configuration in CONFIGS (benchmarks/gpu_check_configs.py; each loads a part of
-the cost model: matmuls, attention through HBM, full remat, FP8, grouped-query attention)
-this
+the cost model: matmuls, attention through HBM, full remat, FP8, experts, grouped-query
+attention) this
   1. measures the step as `launch.py --mode=benchmark --devices=1` does
      (parallelism/mesh.py, train/step.py, train/loop.py): compile time, median step, MFU;
-  2. projects the program compiled for this very device onto `--hardware` (h200 by
-     default) with the projection's HLO reader, cost model and record (projection/project.py's
-     of_program: a records.points.ProjectedPoint, as every projection makes), as the host
-     projection does for CPU devices: no deviceless target is needed. The step's text
-     comes from compiling it once more, which JAX's compilation caches serve (the
-     executable the measurement ran; a persistent cache is set up if none is);
-  3. for one configuration (--trace), traces its last step with the JAX profiler and
-     reads the time of every HLO op from the trace (measure/trace.py), to set the top
-     kernels beside the projection's time for the same ops (projection/op_costs.py).
+  2. projects the program compiled for this very device onto `--hardware` (by default the
+     catalog entry the GPU's name names) with the projection's HLO reader, cost model and
+     record (projection/project.py's of_program: a records.points.ProjectedPoint, as every
+     projection makes), as the host projection does for CPU devices: no deviceless target
+     is needed. The step's text comes from compiling it once more, which JAX's compilation
+     caches serve (the executable the measurement ran; a persistent cache is set up if
+     none is);
+  3. for the configurations --trace names (all by default), traces the last step with the
+     JAX profiler and reads the time of every HLO op, or of every kernel by class, from the
+     trace (measure/trace.py), to set them beside the projection's time for the same ops
+     (projection/op_costs.py).
 The tables and files: benchmarks/gpu_check_report.py.
 
-  python benchmarks/gpu_check.py --output_dir=gpu_check          # one GPU, ~5 minutes
+  python benchmarks/gpu_check.py --output_dir=gpu_check          # one GPU, ~4 minutes
   python benchmarks/gpu_check.py --dry_run --output_dir=/tmp/gc  # host CPU, tiny sizes
 
 OUTPUT_DIR receives at most four files: gpu_check.jsonl (one record per configuration
-and one of the kernels, appended), gpu_check.md (the tables of this run), trace.xplane.pb
-(the traced step) and trace_hlo.txt.gz (its optimized HLO, to match ops offline). A
-configuration that fails is recorded with its error and the others still run; the exit
-code is then 1. Bad flags: one line on stderr, exit code 2. --dry_run runs everything
-on one host CPU device with tiny models and projects onto `host` (this machine's
-profile, measured and cached by measure/host_calibration.py) unless --hardware says
-otherwise.
+and one per traced step, appended), gpu_check.md (the tables of this run),
+trace.xplane.pb (the first traced step) and hlo.tar.gz (every configuration's optimized
+HLO, to match ops offline). A configuration that fails is recorded with its error and the
+others still run; the exit code is then 1. Bad flags: one line on stderr, exit code 2.
+--dry_run runs everything on one host CPU device with tiny models and projects onto
+`host` (this machine's profile, measured and cached by measure/host_calibration.py)
+unless --hardware says otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import gzip
 import os
 import shutil
 import sys
@@ -66,6 +67,7 @@ from benchmarks.gpu_check_report import (  # noqa: E402
   ms,
   ratio,
   write_markdown,
+  write_programs,
 )
 from errors import UserInputError  # noqa: E402
 from experiments import overrides  # noqa: E402
@@ -84,7 +86,8 @@ from train import loop  # noqa: E402
 from train import step as train_step  # noqa: E402
 
 JSONL, MARKDOWN = "gpu_check.jsonl", "gpu_check.md"
-TRACE_FILE, HLO_FILE = "trace.xplane.pb", "trace_hlo.txt.gz"
+# The first traced configuration's trace; every measured configuration's optimized HLO.
+TRACE_FILE, HLO_FILE = "trace.xplane.pb", "hlo.tar.gz"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -118,8 +121,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   )
   parser.add_argument(
     "--trace",
-    default="memory",
-    help="the configuration whose last step is traced, or none (default: %(default)s)",
+    default="all",
+    help="comma-separated configurations whose last step is traced, all or none "
+    "(default: %(default)s)",
   )
   parser.add_argument("--steps", type=int, default=8, help="timed steps (default: %(default)s)")
   parser.add_argument(
@@ -139,11 +143,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       f"--only: unknown configuration {', '.join(unknown) or '(none given)'}; "
       f"choose from {', '.join(CONFIG_NAMES)}"
     )
-  if args.trace != "none" and args.trace not in CONFIG_NAMES:
-    parser.error(
-      f"--trace: {args.trace!r} is not a configuration; choose from "
-      f"{', '.join(CONFIG_NAMES)} or none"
-    )
+  named = {"all": list(CONFIG_NAMES), "none": []}.get(args.trace.strip())
+  if named is None:
+    named = [n.strip() for n in args.trace.split(",") if n.strip()]
+    unknown = [n for n in named if n not in CONFIG_NAMES]
+    if unknown or not named:
+      parser.error(
+        f"--trace: {', '.join(unknown) or '(none given)'} is not a configuration; choose "
+        f"from {', '.join(CONFIG_NAMES)}, all or none"
+      )
+  args.trace = named
   if args.steps < 1:
     parser.error(f"--steps must be at least 1, got {args.steps}")
   if args.warmup_steps < 0:
@@ -367,32 +376,37 @@ def main(argv: list[str]) -> int:
     f"{args.steps} timed steps after {args.warmup_steps} warm-up, median.",
   ]
   print("\n".join(header[2:]), flush=True)
-  records, kernels, trace_note, failed = [], None, "", []
+  records, traced, failed = [], [], []
+  programs: dict[str, str] = {}  # configuration -> its optimized HLO, into HLO_FILE
   scratch = tempfile.mkdtemp(prefix="gpu-check-trace-")
   try:
     for config in (c for c in CONFIGS if c.name in args.only):
-      trace_dir = os.path.join(scratch, config.name) if config.name == args.trace else None
+      trace_dir = os.path.join(scratch, config.name) if config.name in args.trace else None
       record, projection, times = _attempt(config, args, device, hw, trace_dir, started)
+      if projection is not None:
+        programs[config.name] = projection.hlo_text
+        write_programs(os.path.join(args.output_dir, HLO_FILE), programs)
       if "error" in record:
         failed.append(config.name)
       elif trace_dir and record.get("trace_failure"):
-        trace_note = f"not traced: {record['trace_failure']}"
+        traced.append((config.name, None, f"not traced: {record['trace_failure']}"))
       elif trace_dir and projection is not None:
-        kernels, trace_note = _trace_record(
-          config, trace_dir, projection, hw, times, args.output_dir
-        )
+        # The first trace is kept whole; the others as their op tables.
+        keep = None if any(k for _, k, _ in traced) else args.output_dir
+        kernels, note = _trace_record(config, trace_dir, projection, hw, times, keep)
+        traced.append((config.name, kernels, note))
         if kernels:
           append_jsonl(jsonl, kernels)
       record["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
       append_jsonl(jsonl, record)
       records.append(record)
       _print_progress(record)
-      write_markdown(markdown, header, records, kernels, trace_note)
+      write_markdown(markdown, header, records, traced)
       gc.collect()  # the last configuration's state leaves the device before the next
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
-  if args.trace != "none" and args.trace not in args.only:
-    print(f"note: --trace={args.trace} is not among --only: nothing traced")
+  if args.trace and not set(args.trace) & set(args.only):
+    print(f"note: --trace={','.join(args.trace)} is not among --only: nothing traced")
   print()
   with open(markdown) as f:
     print(f.read())
@@ -464,15 +478,15 @@ def _trace_record(
   projection: Projection,
   hw: Hardware,
   times: list[float],
-  output_dir: str,
+  output_dir: str | None,
 ) -> tuple[dict | None, str]:
+  """The traced step's ops beside the projection's; its trace file copied to `output_dir`
+  (none: not kept)."""
   trace, note, xplane = read_trace(trace_dir)
   notes = [note] if note else []
-  if xplane:
+  if xplane and output_dir:
     copied = copy_small(xplane, os.path.join(output_dir, TRACE_FILE))
-    notes += [copied] if copied else []
-  with gzip.open(os.path.join(output_dir, HLO_FILE), "wt") as f:
-    f.write(projection.hlo_text)
+    notes += [copied] if copied else [f"kept as {TRACE_FILE}"]
   if trace is None:
     return None, "; ".join(notes)
   kernels = compare_ops(trace, projected_ops(projection.program, hw), times[-1], TOP_KERNELS)

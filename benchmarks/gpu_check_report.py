@@ -1,9 +1,11 @@
 """benchmarks/gpu_check.py's output: the markdown tables of measured against projected
 steps and of the traced step's ops, and the files it writes."""
 
+import io
 import json
 import os
 import shutil
+import tarfile
 
 MAX_FILE_BYTES = 16 * 2**20  # what the device tool brings back per file
 TARGET_ERROR = 0.25  # the project's closing-the-loop target (benchmarks/closing_the_loop.py)
@@ -118,17 +120,34 @@ def kernel_table(kernels: dict) -> list[str]:
 
 
 def write_markdown(
-  path: str, header: list[str], records: list[dict], kernels: dict | None, trace_note: str
+  path: str,
+  header: list[str],
+  records: list[dict],
+  traced: list[tuple[str, dict | None, str]],
 ) -> None:
-  lines = [*header, "", *config_table(records), ""]
-  if kernels:
-    lines += kernel_table(kernels)
-  elif trace_note:
-    lines.append(f"Trace: {trace_note}")
+  """The tables of this run: its configurations, then each traced step (configuration, its
+  op table or None, a note)."""
+  lines = [*header, "", *config_table(records)]
+  for config, kernels, note in traced:
+    lines.append("")
+    lines += kernel_table(kernels) if kernels else [f"Trace of `{config}`: {note}"]
   partial = f"{path}.partial"
   with open(partial, "w") as f:
     f.write("\n".join(lines) + "\n")
   os.replace(partial, path)  # a reader sees the last whole table
+
+
+def write_programs(path: str, programs: dict[str, str]) -> None:
+  """Each configuration's optimized HLO as CONFIG.hlo.txt in one gzipped tar, rewritten
+  whole as each is added (a run cut short keeps those before)."""
+  partial = f"{path}.partial"
+  with tarfile.open(partial, "w:gz") as tar:
+    for config, text in programs.items():
+      data = text.encode()
+      info = tarfile.TarInfo(f"{config}.hlo.txt")
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+  os.replace(partial, path)
 
 
 def append_jsonl(path: str, record: dict) -> None:

@@ -55,7 +55,8 @@ def op_class(op: OpCost) -> str:
   """The class of a projected op: cuDNN attention, a matmul, a copy, else a fusion."""
   if "fmha" in op.kind:
     return "attention"
-  if op.opcode in ("dot", "convolution") or "cublas" in op.kind or "Dot" in op.kind:
+  kind = op.kind.lower()
+  if op.opcode in ("dot", "convolution") or any(k in kind for k in ("cublas", "gemm", "dot")):
     return "gemm"
   return "copy" if op.opcode in ("copy", "copy-start") else "fusion"
 

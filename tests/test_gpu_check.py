@@ -9,6 +9,7 @@ import gzip
 import json
 import math
 import os
+import tarfile
 
 import pytest
 
@@ -63,21 +64,28 @@ def test_dry_run_writes_the_tables_and_the_trace(dry_run):
   markdown = (out / gpu_check.MARKDOWN).read_text()
   for name in gpu_check.CONFIG_NAMES:
     assert sum(line.startswith(f"| {name} |") for line in markdown.splitlines()) == 1
-  with gzip.open(out / gpu_check.HLO_FILE, "rt") as f:
-    assert f.read().startswith("HloModule")
+  with tarfile.open(out / gpu_check.HLO_FILE) as tar:
+    names = tar.getnames()
+    assert names == [f"{name}.hlo.txt" for name in gpu_check.CONFIG_NAMES]
+    assert tar.extractfile(names[0]).read().startswith(b"HloModule")
 
 
-def test_dry_run_reads_the_ops_of_the_traced_step(dry_run):
+def test_dry_run_reads_the_ops_of_every_traced_step(dry_run):
   _, out, records = dry_run
-  (kernels,) = [r for r in records if r["kind"] == "kernels"]
-  assert kernels["config"] == "memory"
-  # XLA:CPU's trace names each thunk's HLO op: nearly all of them match the program's.
-  assert kernels["matched_ops"] > 0.9 * kernels["projected_ops"]
-  assert 0 < len(kernels["top"]) <= gpu_check.TOP_KERNELS
-  times = [row["measured_s"] for row in kernels["top"]]
-  assert times == sorted(times, reverse=True)
-  assert all(_positive(t) for t in times)
-  assert any(_positive(row["projected_s"]) for row in kernels["top"])
+  traced = [r for r in records if r["kind"] == "kernels"]
+  assert [k["config"] for k in traced] == list(gpu_check.CONFIG_NAMES)
+  for kernels in traced:
+    # XLA:CPU's trace names each thunk's HLO op: nearly all of them match the program's.
+    assert kernels["matched_ops"] > 0.9 * kernels["projected_ops"], kernels["config"]
+    assert 0 < len(kernels["top"]) <= gpu_check.TOP_KERNELS
+    times = [row["measured_s"] for row in kernels["top"]]
+    assert times == sorted(times, reverse=True)
+    assert all(_positive(t) for t in times)
+    assert any(_positive(row["projected_s"]) for row in kernels["top"])
+    # The classes hold every event but the loops' own (whose ops count themselves).
+    by_class = kernels["by_class"]
+    assert 0 < sum(c["events"] for c in by_class.values()) <= kernels["events"]
+    assert _positive(by_class["fusion"]["measured_s"])
   markdown = (out / gpu_check.MARKDOWN).read_text()
   assert f"| 1 | {kernels['top'][0]['op']} |" in markdown
 
@@ -134,34 +142,27 @@ H100_HLO = os.path.join(os.path.dirname(__file__), "data", "h100_fp8_step_hlo.tx
 H100_RECORDS = os.path.join(gpu_check.ROOT, "docs", "gpu_check", "h100.jsonl")
 
 
-def _h100_fp8_record() -> dict:
-  with open(H100_RECORDS) as f:
-    records = [json.loads(line) for line in f]
-  return next(r for r in records if r.get("config") == "fp8" and r["kind"] == "config")
-
-
-def test_a_real_h100_programs_async_fusions_are_costed_once():
+def test_a_real_h100_programs_async_fusions_are_costed_once(tmp_path):
   """XLA's GPU compiler (jax 0.11) runs a layer scan's dynamic slices and in-place updates
   as async fusions (fusion-start / fusion-done). Read as plain ops, each was charged the
   whole stacked buffer twice over: 3.2 TB a step, a 1.20 s projection of a 0.32 s step."""
-  import dataclasses
-
-  from hardware import catalog
-  from projection import hlo, project
-  from projection.plan import plan
+  from benchmarks import gpu_check_deviceless
+  from benchmarks.gpu_check_report import write_programs
+  from projection import hlo
 
   with gzip.open(H100_HLO, "rt") as f:
-    program = hlo.analyze(f.read())
+    text = f.read()
+  program = hlo.analyze(text)
   starts = [n for n, _ in hlo.walk(program) if n.name.startswith("fusion-start")]
   assert starts and all(n.opcode == "fusion" for n in starts)
   # One layer's slice of a [24, ...] stacked buffer moves, not the 7.5 GB buffer.
   assert max(n.bytes_read + n.bytes_written for n in starts) < 1e9
   assert not [n for n, _ in hlo.walk(program) if n.name.startswith("fusion-done")]
-  record = _h100_fp8_record()
-  config = next(c for c in gpu_check.CONFIGS if c.name == "fp8")
-  exp = gpu_check.experiment(config, False, record["timed_steps"], 0)
-  alone = dataclasses.replace(catalog.get("h100"), gpus_per_node=1, nvlink_domain_size=1)
-  point = project.of_program(exp, plan(exp, alone, 1), program, 42e9, 0.0, "cuda")
+  # The program as gpu_check.py keeps it, read back and projected onto one h100.
+  write_programs(str(tmp_path / "hlo.tar.gz"), {"fp8": text})
+  (record,) = gpu_check_deviceless.measured_records(H100_RECORDS, ["fp8"])
+  programs = gpu_check_deviceless.gpu_programs(str(tmp_path / "hlo.tar.gz"))
+  point = gpu_check_deviceless.reprojected(record, programs["fp8"])
   # Within the project's 25% closing-the-loop target of the step measured on the H100
   # (0.320 s; the projection gives 0.290 s, -9%).
   assert abs(point.step_time_s / record["step_time_s"] - 1) < 0.25
@@ -209,12 +210,13 @@ def test_the_deviceless_projection_of_a_step_measured_on_an_h100():
   from benchmarks import gpu_check_deviceless
 
   (record,) = gpu_check_deviceless.measured_records(H100_RECORDS, ["memory"])
-  projected = gpu_check_deviceless.deviceless(record)
-  assert projected["hardware"] == "h100" and projected["point"].compile_target == "cuda"
+  point = gpu_check_deviceless.deviceless(record)
+  assert point.hardware == "h100" and point.compile_target == "cuda"
   # The project's 25% closing-the-loop target (benchmarks/closing_the_loop.py).
-  assert abs(projected["point"].step_time_s / record["step_time_s"] - 1) < 0.25
-  lines = gpu_check_deviceless.table([(record, projected)])
+  assert abs(point.step_time_s / record["step_time_s"] - 1) < 0.25
+  lines = gpu_check_deviceless.table([(record, point, None)])
   assert lines[2].startswith("| memory | NVIDIA H100 80GB HBM3, 0.11.2 | 68.18 |")
+  assert lines[2].endswith("| cuda | - | - |")
 
 
 def test_the_catalog_entry_a_gpu_names():
