@@ -225,3 +225,26 @@ def test_the_catalog_entry_a_gpu_names():
   assert gpu_check.catalog_entry_for("NVIDIA GB200") == "gb200"
   assert gpu_check.catalog_entry_for("NVIDIA B200") == "b200"
   assert gpu_check.catalog_entry_for("NVIDIA L40S") == "h200"
+
+
+def test_kernel_check_dry_run(tmp_path, capsys):
+  """benchmarks/kernel_check.py's path (build, compile, project, time, write) on the host
+  CPU with tiny sizes, so the script a lent GPU runs cannot rot."""
+  from benchmarks import kernel_check
+
+  argv = ["--dry_run", f"--output_dir={tmp_path}", "--hardware=h100", "--iters=2"]
+  assert kernel_check.main(argv) == 0
+  lines = (tmp_path / kernel_check.JSONL).read_text().splitlines()
+  records = [json.loads(line) for line in lines]
+  assert [r["family"] for r in records] == [c.family for c in kernel_check.cases(True)]
+  for r in records:
+    assert _positive(r["measured_s"]) and _positive(r["projected_s"]), r
+    assert _positive(r["measured_rate"]) and math.isfinite(r["error"])
+  markdown = (tmp_path / kernel_check.MARKDOWN).read_text()
+  rows = [line for line in markdown.splitlines() if line.startswith("| ")]
+  assert len(rows) == len(records) + 1  # the header, then one row per case
+  with pytest.raises(SystemExit) as stop:
+    kernel_check.main(["--dry_run", "--iters=0"])
+  assert stop.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --iters") and err.count("\n") == 1
