@@ -166,14 +166,37 @@ def _experiment(run: published.PublishedRun) -> ExperimentConfig:
 
 PUBLISHED = {"gb200_512": published.CALIBRATION[0], "gb300_8192": published.CALIBRATION[1]}
 
+# Not published: a layout for HGX, the expert group inside one 8-GPU node (EP 8) so that
+# every dispatch and combine stays on NVLink, 16 pipeline stages of 4 slots, no tensor
+# parallelism, every layer recomputed; bf16, which Hopper has (no MXFP8 there; per-tensor
+# FP8 has no MoE path). It fits H200, B200 and GB200 at 1,024 GPUs, not H100 (docs/moe.md).
+HGX_STAGES, HGX_EXPERT = 16, 8
+
+
+def _hgx(run: published.PublishedRun) -> ExperimentConfig:
+  exp = _experiment(run)
+  return dataclasses.replace(
+    exp,
+    description=(
+      f"not published: EP {HGX_EXPERT} inside an 8-GPU node, PP {HGX_STAGES}, full remat, "
+      f"bf16, GBS {run.global_batch:,} (the GB200 run's batch)"
+    ),
+    model=dataclasses.replace(exp.model, remat="full", block_scaling="none"),
+    mesh=dataclasses.replace(exp.mesh, expert=HGX_EXPERT, tensor=1, pipeline=HGX_STAGES),
+    train=dataclasses.replace(exp.train, virtual_stages=1),
+    benchmark=benchmark(run.gpus // HGX_STAGES, HGX_STAGES, 1),
+  )
+
 
 def get_config() -> ExperimentConfig:
   variants = {name: _experiment(run) for name, run in PUBLISHED.items()}
+  variants["hgx_ep8"] = _hgx(PUBLISHED["gb200_512"])
   return dataclasses.replace(
     variants["gb200_512"],
     variants=variants,
     variant_by_gpus={run.gpus: name for name, run in PUBLISHED.items()},
     description="MLPerf DeepSeek-V3 671B time to train (RCP-normalized); the published "
     "layouts as variants: gb200_512 (TP 2 / PP 4 / VP 4 / EP 32, GBS 15,360) and "
-    "gb300_8192 (TP 1, GBS 16,384), chosen by the GPU count",
+    "gb300_8192 (TP 1, GBS 16,384), chosen by the GPU count; hgx_ep8 (EP 8 inside a node, "
+    "PP 16, full remat, bf16), chosen by --set variant=hgx_ep8",
   )

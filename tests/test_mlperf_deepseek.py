@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import experiments
-from experiments import _rcp
+from experiments import _rcp, overrides
 from experiments import mlperf_deepseek_v3_671b as mlperf
 from hardware import catalog
 from parallelism.mesh import AXES
@@ -93,6 +93,18 @@ def test_published_layouts_are_variants_by_gpu_count():
   assert (gb200.model.remat, gb300.model.remat) == ("save_dots", "none")
   assert gb200.model.attention == gb300.model.attention == "cudnn"
   assert gb200.model.block_scaling == gb300.model.block_scaling == "mxfp8"  # as NVIDIA's
+
+
+def test_the_hgx_layout_keeps_each_expert_group_inside_a_node():
+  exp = overrides.apply(experiments.load("mlperf_deepseek_v3_671b"), ["variant=hgx_ep8"])
+  assert (exp.mesh.expert, exp.mesh.tensor, exp.mesh.pipeline) == (8, 1, 16)
+  assert (exp.model.remat, exp.model.block_scaling, exp.train.virtual_stages) == ("full", "none", 1)
+  assert exp.benchmark.replicas == 512 // 16 and exp.train.global_batch == 15_360
+  reduced = plan_target(exp, catalog.get("h200"), 1024).reduced
+  ids = np.arange(reduced.devices).reshape([reduced.sizes[a] for a in AXES])
+  # Each expert group's 8 devices (the other axes fixed) are one node's NVLink domain.
+  groups = tuple(map(tuple, np.moveaxis(ids, AXES.index("expert"), -1).reshape(-1, 8).tolist()))
+  assert all(len(set(d)) == 1 for d in layout.target_group_domains(groups, reduced))
 
 
 @pytest.mark.parametrize("hardware, gpus", [("gb200", 512), ("gb300", 8192)])
