@@ -90,8 +90,8 @@ JSONL, MARKDOWN = "gpu_check.jsonl", "gpu_check.md"
 TRACE_FILE, HLO_FILE = "trace.xplane.pb", "hlo.tar.gz"
 
 
-class _Parser(argparse.ArgumentParser):
-  """Bad flags: one line on stderr and exit code 2, as launch.py."""
+class Parser(argparse.ArgumentParser):
+  """Bad flags: one line on stderr and exit code 2, as launch.py (the GPU checks' scripts)."""
 
   def error(self, message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
@@ -99,7 +99,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  parser = _Parser(description=__doc__.split("\n\n")[0])
+  parser = Parser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
     "--output_dir",
     default=os.path.join("runs", "gpu_check"),

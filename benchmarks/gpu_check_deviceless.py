@@ -17,7 +17,6 @@ the HLO reader and cost model as they stand now.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -34,7 +33,7 @@ if __name__ == "__main__":
   platform_env.configure(1)
 
 # pylint: disable=wrong-import-position
-from benchmarks.gpu_check import catalog_entry_for, experiment  # noqa: E402
+from benchmarks.gpu_check import Parser, catalog_entry_for, experiment  # noqa: E402
 from benchmarks.gpu_check_configs import CONFIGS  # noqa: E402
 from benchmarks.gpu_check_report import ms, ratio  # noqa: E402
 from hardware import catalog  # noqa: E402
@@ -109,7 +108,7 @@ def table(rows: list[tuple[dict, ProjectedPoint, ProjectedPoint | None]]) -> lis
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = Parser(description=__doc__.split("\n\n")[0])
   parser.add_argument("measured", help="a gpu_check.jsonl with a GPU's measured records")
   parser.add_argument("--only", default="", help="comma-separated configurations")
   parser.add_argument("--programs", default="", help="the hlo.tar.gz gpu_check.py wrote")

@@ -27,7 +27,6 @@ kernel_check.md (this run's table). Bad flags: one line on stderr, exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -52,7 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.gpu_check import catalog_entry_for  # noqa: E402
+from benchmarks.gpu_check import Parser, catalog_entry_for  # noqa: E402
 from benchmarks.gpu_check_report import ms, ratio  # noqa: E402
 from hardware import catalog  # noqa: E402
 from model import fp8  # noqa: E402
@@ -203,14 +202,8 @@ def _rate(value: float | None) -> str:
   return f"{value:,.0f}" if value >= 10 else f"{value:.3g}"
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv: list[str]) -> int:
-  parser = _Parser(description=__doc__.split("\n\n")[0])
+  parser = Parser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--output_dir", default=os.path.join("runs", "kernel_check"))
   parser.add_argument("--dry_run", action="store_true", help="host CPU, tiny sizes")
   parser.add_argument("--hardware", default=None, help="catalog entry to project onto")

@@ -36,12 +36,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
+from benchmarks.gpu_check import Parser  # noqa: E402
 from projection import hlo, targets  # noqa: E402
 from projection.aot_compile import FAST_BACKEND  # noqa: E402
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
+  parser = Parser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--hardware", default="h100")
   parser.add_argument("--tokens", type=int, default=4096)
   parser.add_argument("--d_model", type=int, default=7168)
