@@ -147,8 +147,13 @@ def _key(name: str) -> str:
 def compare_ops(
   trace: TraceOps, projected: dict[str, OpCost], traced_step_s: float, top: int = TOP_KERNELS
 ) -> dict:
-  """The trace's op times beside the projection's, top `top` by measured time."""
+  """The trace's op times beside the projection's, top `top` by measured time, and both
+  summed by kernel class."""
   by_key = {_key(name): op for name, op in projected.items()}
+  by_class = {c: {"measured_s": 0.0, "events": 0, "projected_s": 0.0, "runs": 0} for c in CLASSES}
+  for op in projected.values():
+    by_class[op_class(op)]["projected_s"] += op.seconds
+    by_class[op_class(op)]["runs"] += op.runs
   matched_s = unmatched_s = 0.0
   rows = []
   for name, seconds in trace.seconds.items():
@@ -159,6 +164,9 @@ def compare_ops(
       unmatched_s += seconds
     else:
       matched_s += seconds
+    entry = by_class[op_class(op) if op else kernel_class(name)]
+    entry["measured_s"] += seconds
+    entry["events"] += trace.runs[name]
     rows.append(
       {
         "op": name,
@@ -174,17 +182,6 @@ def compare_ops(
     )
   rows.sort(key=lambda r: -r["measured_s"])
   matched = {_key(r["op"]) for r in rows if r["projected_s"] is not None}
-  by_class = {c: {"measured_s": 0.0, "events": 0, "projected_s": 0.0, "runs": 0} for c in CLASSES}
-  for name, seconds in trace.seconds.items():
-    op = by_key.get(_key(name))
-    if op is None and _CONTAINERS.match(name):
-      continue
-    entry = by_class[op_class(op) if op else kernel_class(name)]
-    entry["measured_s"] += seconds
-    entry["events"] += trace.runs[name]
-  for op in projected.values():
-    by_class[op_class(op)]["projected_s"] += op.seconds
-    by_class[op_class(op)]["runs"] += op.runs
   return {
     "source": trace.source,
     "events": trace.events,
