@@ -79,7 +79,7 @@ from measure.trace import TOP_KERNELS, compare_ops, read_trace  # noqa: E402
 from model.flops import param_count, train_flops_per_token  # noqa: E402
 from projection import hlo, project  # noqa: E402
 from projection.op_costs import projected_ops  # noqa: E402
-from projection.plan import plan  # noqa: E402
+from projection.plan import Target, plan  # noqa: E402
 from records.points import ProjectedPoint, to_json  # noqa: E402
 from train import hooks as hooks_lib  # noqa: E402
 from train import loop  # noqa: E402
@@ -222,6 +222,13 @@ class Projection:
   kernels: int  # compute ops run over one step
 
 
+def one_gpu(exp: experiments.ExperimentConfig, hw: Hardware) -> Target:
+  """`exp` planned on one GPU of `hw`. One GPU is a node of its own (the catalog's entries
+  describe 8-GPU nodes); it has no collectives, but the program is costed through the same
+  layout and timer all the same."""
+  return plan(exp, dataclasses.replace(hw, gpus_per_node=1, nvlink_domain_size=1), 1)
+
+
 def project_compiled(
   exp: experiments.ExperimentConfig, program: train_step.TrainProgram, hw: Hardware, device
 ) -> Projection:
@@ -233,9 +240,6 @@ def project_compiled(
   text = compiled.as_text()
   analysis = hlo.analyze(text)
   compute = [(n, t) for n, t in hlo.walk(analysis) if isinstance(n, hlo.Compute)]
-  # One GPU is a node of its own (the catalog's entries describe 8-GPU nodes); it has no
-  # collectives, but the program is costed through the same layout and timer all the same.
-  alone = dataclasses.replace(hw, gpus_per_node=1, nvlink_domain_size=1)
   memory = compiled.memory_analysis()
   memory_bytes = (
     memory.argument_size_in_bytes
@@ -244,9 +248,7 @@ def project_compiled(
     + memory.temp_size_in_bytes
   )
   compiled_for = "cuda" if device.platform == "gpu" else device.platform
-  point = project.of_program(
-    exp, plan(exp, alone, 1), analysis, memory_bytes, compile_s, compiled_for
-  )
+  point = project.of_program(exp, one_gpu(exp, hw), analysis, memory_bytes, compile_s, compiled_for)
   return Projection(
     point,
     analysis,

@@ -17,7 +17,6 @@ the HLO reader and cost model as they stand now.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -33,12 +32,11 @@ if __name__ == "__main__":
   platform_env.configure(1)
 
 # pylint: disable=wrong-import-position
-from benchmarks.gpu_check import Parser, catalog_entry_for, experiment  # noqa: E402
+from benchmarks.gpu_check import Parser, catalog_entry_for, experiment, one_gpu  # noqa: E402
 from benchmarks.gpu_check_configs import CONFIGS  # noqa: E402
 from benchmarks.gpu_check_report import ms, ratio  # noqa: E402
 from hardware import catalog  # noqa: E402
 from projection import hlo, project, targets  # noqa: E402
-from projection.plan import plan  # noqa: E402
 from records.points import ProjectedPoint  # noqa: E402
 
 
@@ -58,9 +56,7 @@ def _target(record: dict):
   """The record's experiment and its plan on one GPU of the catalog entry it names."""
   config = next(c for c in CONFIGS if c.name == record["config"])
   exp = experiment(config, False, record["timed_steps"], 0, tuple(record.get("fallback_sets", ())))
-  hw = catalog.get(catalog_entry_for(record["device_kind"]))
-  alone = dataclasses.replace(hw, gpus_per_node=1, nvlink_domain_size=1)
-  return exp, plan(exp, alone, 1)
+  return exp, one_gpu(exp, catalog.get(catalog_entry_for(record["device_kind"])))
 
 
 def deviceless(record: dict) -> ProjectedPoint:

@@ -145,7 +145,8 @@ def cases(dry_run: bool) -> list[Case]:
   ]
 
 
-def _median_s(fn, operands: tuple, iters: int) -> float:
+def median_s(fn, operands: tuple, iters: int) -> float:
+  """The median seconds of `iters` calls of fn(*operands), after one untimed call."""
   jax.block_until_ready(fn(*operands))
   times = []
   for _ in range(iters):
@@ -160,7 +161,7 @@ def run_case(case: Case, hw: catalog.Hardware, iters: int) -> dict:
   compiled = jax.jit(fn).lower(*operands).compile()
   program = hlo.analyze(compiled.as_text())
   projected_s = sum(op.seconds for op in projected_ops(program, hw).values())
-  measured_s = _median_s(compiled, operands, iters)
+  measured_s = median_s(compiled, operands, iters)
   if case.rate == "TFLOP/s":
     amount = hlo.dot_flops(program) / 1e12
   else:

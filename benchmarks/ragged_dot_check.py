@@ -19,7 +19,6 @@ one dense [M, K] x [K, N] GEMM of the same FLOPs, the reference a grouped GEMM s
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -37,6 +36,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks.gpu_check import Parser  # noqa: E402
+from benchmarks.kernel_check import median_s  # noqa: E402
 from projection import hlo, targets  # noqa: E402
 from projection.aot_compile import FAST_BACKEND  # noqa: E402
 
@@ -52,6 +52,13 @@ def main() -> None:
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
   if args.measure:
+    if jax.devices()[0].platform != "gpu":
+      parser.error(f"--measure needs a GPU; jax sees {jax.devices()[0].platform} devices")
+    if args.tokens % args.groups or min(args.tokens, args.groups, args.iters) < 1:
+      parser.error(
+        f"--tokens {args.tokens} must be a positive multiple of --groups {args.groups}, "
+        f"--iters {args.iters} positive"
+      )
     measure(args)
     return
   ok, reason = targets.cuda_available()
@@ -80,23 +87,10 @@ def main() -> None:
     )
 
 
-def _median_s(fn, operands, iters: int) -> float:
-  jax.block_until_ready(fn(*operands))  # compile and warm up
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*operands))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def measure(args: argparse.Namespace) -> None:
+  """The three ways timed on this GPU (main() has checked there is one and M % G == 0)."""
   device = jax.devices()[0]
-  if device.platform != "gpu":
-    sys.exit(f"--measure needs a GPU; jax sees {device.platform} devices")
   M, K, N, G = args.tokens, args.d_model, args.width, args.groups
-  if M % G:
-    sys.exit(f"--tokens {M} must divide evenly over --groups {G}")
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (M, K), jnp.bfloat16)
   w = jax.random.normal(keys[1], (G, K, N), jnp.bfloat16) * K**-0.5
@@ -118,9 +112,9 @@ def measure(args: argparse.Namespace) -> None:
     f"balanced, forward + backward ({flops / 1e9:,.0f} GFLOP of grouped GEMMs)"
   )
   for name, fn, operands in ways:
-    compiled = fn.lower(*operands).compile()
+    compiled = fn.lower(*operands).compile()  # once: its text and the executable timed
     dot = hlo.dot_flops(hlo.analyze(compiled.as_text()))
-    seconds = _median_s(fn, operands, args.iters)
+    seconds = median_s(compiled, operands, args.iters)
     print(
       f"  {name:24s} {seconds * 1e3:8.3f} ms  {flops / seconds / 1e12:6.0f} TFLOP/s  "
       f"compiled dot FLOPs {dot / flops:.1f}x the grouped GEMMs'"
