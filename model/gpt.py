@@ -210,7 +210,8 @@ def block(cfg: ModelConfig, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   x = checkpoint_name(constrain(x, residual), "layer_input")
   h = norm(cfg, x, p, "ln1")
   if cfg.mla:
-    q, k, v = mla.qkv(cfg, h, p)  # rotary dims already rotated
+    # Rotary dims rotated by each token's true position (context parallelism's order).
+    q, k, v = mla.qkv(cfg, h, p, context.positions(h.shape[1]))
   elif cfg.grouped_query:
     q, k, v = _grouped_qkv(cfg, h, p, tensor_parallel, biased)
   else:

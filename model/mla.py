@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model import block_scaled, rope
@@ -50,9 +51,12 @@ def init_params(layers: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, stack: str
   layers.kv_up = nnx.Param(normal((L, Rkv, H, K + V)), axes=(stack, None, "heads", "kv"))
 
 
-def qkv(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The normed residual h [B, T, D] -> q, k [B, T, H, K + R_r] (rotary dims rotated) and
-  v [B, T, H, V]."""
+def qkv(
+  cfg: ModelConfig, h: jax.Array, p: dict, positions: np.ndarray | jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The normed residual h [B, T, D] -> q, k [B, T, H, K + R_r] (rotary dims rotated by the
+  tokens' positions [T], default 0 .. T - 1; with context parallelism their true positions,
+  model/rope.py) and v [B, T, H, V]."""
   K, Rkv, Rr = cfg.head_dim, cfg.kv_lora_rank, cfg.rope_head_dim
   heads = ("batch", "length", "act_heads", None)
   # The projections are weight matmuls like the block's: block-scaled with block scaling.
@@ -67,8 +71,9 @@ def qkv(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, 
   ckv = rms_norm(latent[..., :Rkv], p["kv_norm_scale"], cfg.norm_eps)
   kv = constrain(matmul("btr,rhk->bthk", ckv, p["kv_up"]), heads)  # [B, T, H, K + V]
   rotary = dataclasses.replace(cfg, head_dim=Rr)
-  q_rope = rope.rotate(q[..., K:], rotary)
-  k_rope = rope.rotate(latent[..., None, Rkv:], rotary)  # [B, T, 1, R_r]: shared by the heads
+  q_rope = rope.rotate(q[..., K:], rotary, positions)
+  # [B, T, 1, R_r]: shared by the heads
+  k_rope = rope.rotate(latent[..., None, Rkv:], rotary, positions)
   k_rope = jnp.broadcast_to(k_rope, (*kv.shape[:3], Rr))
   q = jnp.concatenate([q[..., :K], q_rope], axis=-1)
   k = constrain(jnp.concatenate([kv[..., :K], k_rope], axis=-1), heads)

@@ -27,7 +27,11 @@ tensor parallel as ever). Routing, as configured (model/config.py):
 Dispatch: capacity buffers. Each sequence is a group of T tokens; expert e takes at most
 C = ceil(capacity_factor x k T / E) of them (capacity_factor 0: C = T, the most one expert can
 get from a sequence, so no token is ever dropped). Slots go first choices first, then by
-position; an assignment past C is dropped (that token's gate for it contributes nothing). The
+position; an assignment past C is dropped (that token's gate for it contributes nothing).
+With context parallelism each rank's slab of T / CP tokens is a group of its own (C from
+T / CP, positions in the slab's load-balanced order, parallelism/context.py), as the train
+step maps the slabs apart: the dispatch stays inside a rank, at the price of drops that
+differ from one device's under a capacity factor (dropless, none differ). The
 tokens are gathered into a [B, E, C, D] buffer by index (no one-hot matmul: that would cost
 2 B T E C D FLOPs, more than the experts at DeepSeek-V3's E = 256), resharded from batch-split
 to expert-split (`expert` mesh axis), which the partitioner emits as an all-to-all, run
@@ -61,7 +65,7 @@ from jax.ad_checkpoint import checkpoint_name
 from errors import UserInputError
 from model import block_scaled
 from model.config import ModelConfig
-from parallelism import pipeline
+from parallelism import context, pipeline
 from parallelism.rules import constrain
 
 # The combine all-to-all's output, by name for the remat policies (model/gpt.py). Saved
@@ -102,7 +106,7 @@ def init_params(
 def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int], schedule: str = "1f1b") -> None:
   """What model/moe.py runs on a mesh: experts dividing over `expert`; pipelined by the
   1f1b schedule only (the lockstep loops of parallelism/pipeline.py compute idle trips
-  whose loads and balance-loss gradients would count); not yet context parallel."""
+  whose loads and balance-loss gradients would count)."""
   ways = mesh_shape.get("expert", 1)
   if not cfg.moe:
     if ways > 1:
@@ -113,11 +117,6 @@ def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int], schedule: str = "1f
   if cfg.num_experts % ways:
     raise UserInputError(
       f"model.num_experts = {cfg.num_experts} does not divide over mesh.expert = {ways}"
-    )
-  if mesh_shape.get("context", 1) > 1:
-    raise UserInputError(
-      f"mesh.context = {mesh_shape['context']}: mixtures of experts (model.num_experts > 0) "
-      "do not run context-parallel yet; use mesh.context=1"
     )
   if mesh_shape.get("pipeline", 1) > 1 and schedule != "1f1b":
     raise UserInputError(
@@ -212,12 +211,17 @@ def combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
 
 def balance_loss(cfg: ModelConfig, scores: jax.Array, counts: jax.Array) -> jax.Array:
   """The sequence-wise balance loss, averaged over sequences (unscaled). scores [B, T, E],
-  counts [B, E]."""
+  counts [B, E]. On a context rank's slab (parallelism/context.py) the loss is this slab's
+  share of its sequences': f from the whole sequences' counts (summed over the slabs), P
+  from this slab's scores over the whole length, so that the slabs' shares, like their
+  gradients, sum to the sequences' loss."""
   E, k = cfg.num_experts, cfg.experts_per_token
   T = scores.shape[1]
+  if context.slabbed():
+    counts, T = jax.lax.psum(counts, context.SLAB), T * context.ranks()
   normalised = scores / scores.sum(-1, keepdims=True)
   f = jax.lax.stop_gradient(counts.astype(jnp.float32)) * E / (k * T)  # [B, E]
-  p = normalised.mean(1)  # [B, E]
+  p = normalised.sum(1) / T  # [B, E]
   return (f * p).sum(-1).mean()
 
 

@@ -154,11 +154,11 @@ def attention(
     if q_spec[2] is not None and kv_spec[2] is None and G > 1:
       k, v = own_kv_head(k, q.shape[2]), own_kv_head(v, q.shape[2])
     k, v = gathered(k), gathered(v)
-    b, t, g, kd = k.shape
+    b, t, g = k.shape[:3]
     c = q.shape[1] // 2
 
-    def early(x):  # [b, T, G, K] -> [b, CP c, G, K]: chunks 0 .. CP - 1
-      return x.reshape(b, t // (2 * c), 2, c, g, kd)[:, :, 0].reshape(b, -1, g, kd)
+    def early(x):  # [b, T, G, K] -> [b, CP c, G, K]: chunks 0 .. CP - 1 (K: V for values)
+      return x.reshape(b, t // (2 * c), 2, c, g, -1)[:, :, 0].reshape(b, -1, g, x.shape[-1])
 
     # The masks are built from iota and the rank index alone, no input or array constant:
     # the layers' remat then recomputes them in the backward pass rather than keeping them

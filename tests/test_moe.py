@@ -99,6 +99,10 @@ BLOCKED = dataclasses.replace(
 
 # With DeepSeek-V3's multi-token prediction module (a routed block after the last layer).
 MTP_MODEL = dataclasses.replace(MODEL, mtp_layers=1)
+# Dropless: with context parallelism a rank's slab is its own routing group (model/moe.py),
+# whose capacity under a factor differs from a whole sequence's; without drops the routing
+# is the one device's.
+DROPLESS = dataclasses.replace(MODEL, capacity_factor=0.0)
 
 
 @pytest.mark.parametrize(
@@ -106,11 +110,18 @@ MTP_MODEL = dataclasses.replace(MODEL, mtp_layers=1)
   [
     (MeshConfig(data=2, expert=2, tensor=2), MTP_MODEL, False),
     (MeshConfig(data=2, expert=2, tensor=2), GQA_MODEL, True),
+    # Latent attention's rotary dims at the tokens' true positions, the balance loss over
+    # whole sequences (model/moe.py `balance_loss`).
+    (MeshConfig(data=2, expert=2, context=2, tensor=1), DROPLESS, False),
   ],
-  ids=["data2-expert2-tensor2-mtp", "data2-expert2-tensor2-sequence-parallel"],
+  ids=[
+    "data2-expert2-tensor2-mtp",
+    "data2-expert2-tensor2-sequence-parallel",
+    "data2-expert2-context2-dropless",
+  ],
 )
 def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel):
-  devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.tensor
+  devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.tensor * mesh_cfg.context
   program = _program(
     dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg, devices
   )
@@ -583,7 +594,7 @@ def test_bad_moe_input_at_the_command_line_is_one_line_and_exit_2():
 
 # ------------------------------------------------------------------ pipelined (1F1B)
 def _pipelined(model: ModelConfig, mesh_cfg: MeshConfig, micro_batch: int, **train_fields):
-  devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.pipeline
+  devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.context * mesh_cfg.pipeline
   train = dataclasses.replace(
     TRAIN, micro_batch=micro_batch, pipeline_schedule="1f1b", **train_fields
   )
@@ -624,6 +635,18 @@ def test_pipelined_moe_step_matches_one_device():
   lines = compiled.as_text().splitlines()
   routing = [line for line in lines if gather.search(line) and in_routing.search(line)]
   assert not routing, routing[0]
+  _assert_matches_one_device(program, model, compiled, 1, routed)
+
+
+def test_context_parallel_moe_inside_the_pipeline_matches_one_device():
+  """Each context rank's slab through the 1F1B pipeline (expert 2 x context 2 x pipeline
+  2, dropless): the balance loss's counts summed over the slabs inside the pipeline's
+  loops, the loads summed with the gradients; the one-device losses, loads and
+  parameters (tolerances as above)."""
+  routed = 2
+  model = dataclasses.replace(DROPLESS, num_layers=1 + routed)
+  program = _pipelined(model, MeshConfig(data=1, expert=2, context=2, pipeline=2), 2)
+  compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
   _assert_matches_one_device(program, model, compiled, 1, routed)
 
 
