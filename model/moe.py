@@ -103,10 +103,9 @@ def init_params(
   )
 
 
-def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int], schedule: str = "1f1b") -> None:
-  """What model/moe.py runs on a mesh: experts dividing over `expert`; pipelined by the
-  1f1b schedule only (the lockstep loops of parallelism/pipeline.py compute idle trips
-  whose loads and balance-loss gradients would count)."""
+def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int]) -> None:
+  """What model/moe.py runs on a mesh: experts dividing over `expert`, and `expert` only
+  with experts."""
   ways = mesh_shape.get("expert", 1)
   if not cfg.moe:
     if ways > 1:
@@ -117,12 +116,6 @@ def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int], schedule: str = "1f
   if cfg.num_experts % ways:
     raise UserInputError(
       f"model.num_experts = {cfg.num_experts} does not divide over mesh.expert = {ways}"
-    )
-  if mesh_shape.get("pipeline", 1) > 1 and schedule != "1f1b":
-    raise UserInputError(
-      f"train.pipeline_schedule = {schedule} with mesh.pipeline = {mesh_shape['pipeline']}: "
-      "mixtures of experts pipeline with the 1f1b schedule only; set "
-      "train.pipeline_schedule=1f1b"
     )
 
 

@@ -302,8 +302,17 @@ def _lockstep(plan: Plan, pieces: LossPieces) -> LossAndGrads:
   # The head's micro-batches split over the stages, which would otherwise all repeat it.
   spread = pipeline.MESH_AXIS if per_pass % stages == 0 else None
 
+  def front(params, tokens):  # [M', mb, T] -> [M', mb, T, D]
+    if pieces.prefix is None:
+      return jax.vmap(lambda tokens: pieces.embed(params, tokens))(tokens)
+    # The dense first layers of a MoE model: the pass's micro-batches as one batch, each
+    # device's rows first (as the 1F1B schedule's `prefixed`).
+    m, mb, T = tokens.shape
+    x = pieces.prefix(params, pieces.embed(params, tokens.swapaxes(0, 1).reshape(mb * m, T)))
+    return x.reshape(mb, m, *x.shape[1:]).swapaxes(0, 1)
+
   def pass_loss(params, scales, micro):  # micro [M', mb, T]
-    x = jax.vmap(lambda tokens: pieces.embed(params, tokens))(micro["inputs"])
+    x = front(params, micro["inputs"])
     x = pipeline.run(
       pieces.run_layers, pieces.stack(params, scales), x, stages, virtual, _active_rows(plan)
     )

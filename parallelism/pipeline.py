@@ -202,11 +202,11 @@ def model_order(layers: Any, stages: int, virtual_stages: int, num_layers: int =
   return jax.tree.map(leaf, layers)
 
 
-# The layer row running now (1.0) or a padding row whose output is dropped (0.0), as a
-# traced float, while `masked_chunk` runs it; None elsewhere. A layer whose backward adds
-# to gradients beyond its output's cotangent (model/moe.py: the balance loss's gradient
-# and the experts' loads) scales that part by it, which zero output cotangents alone do
-# not silence.
+# The layer row running now (1.0) or a padding row or idle trip whose output is dropped
+# (0.0), as a traced float, while `masked_chunk` or `run` runs it; None elsewhere. A
+# layer whose backward adds to gradients beyond its output's cotangent (model/moe.py: the
+# balance loss's gradient and the experts' loads) scales that part by it, which zero
+# output cotangents alone do not silence.
 _ROW_WEIGHT: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
   "pipeline_row_weight", default=None
 )
@@ -235,8 +235,10 @@ def masked_chunk(
 ) -> jax.Array:
   """An uneven split's chunk: its C rows from `first` one at a time, a padding row's output
   replaced by its input. active [C] bool."""
+  outer = row_weight()  # an idle trip's (`run`), if any
   for j in range(active.shape[0]):
-    with _row(active[j].astype(jnp.float32)):
+    weight = active[j].astype(jnp.float32)
+    with _row(weight if outer is None else weight * outer):
       x = jnp.where(active[j], run_chunk(x, params, (first + j, 1)), x)
   return x
 
@@ -277,10 +279,13 @@ def run(
   def one_rank(params, t, s, x, rank_active):
     k = t - s
     v = jnp.clip(k // M, 0, V - 1)
-    if rank_active is None:
-      return run_chunk(x, params, (v * C, C))
-    row_active = jax.lax.dynamic_slice_in_dim(rank_active, v * C, C)
-    return masked_chunk(run_chunk, x, params, v * C, row_active)
+    # An idle trip's result is dropped, but a routed layer's loads and balance-loss
+    # gradient do not vanish with its output's cotangent: weighted 0 (model/moe.py).
+    with _row(((k >= 0) & (k < M * V)).astype(jnp.float32)):
+      if rank_active is None:
+        return run_chunk(x, params, (v * C, C))
+      row_active = jax.lax.dynamic_slice_in_dim(rank_active, v * C, C)
+      return masked_chunk(run_chunk, x, params, v * C, row_active)
 
   mask = None if active is None else jnp.asarray(active)
 

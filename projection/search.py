@@ -255,10 +255,9 @@ def rank(exp, hw: Hardware, gpus: int) -> Ranking:
     try:
       reduced = plan(cand_exp, hw, gpus).reduced
       stages = reduced.target.sizes["pipeline"]
-      # What model/moe.py runs (the experts over mesh.expert, no context parallelism, the
-      # 1f1b schedule alone when pipelined), before the pipeline's checks: a lockstep
-      # schedule is pruned under train.pipeline_schedule. A dense model passes.
-      moe.check_mesh(cand_exp.model, reduced.sizes, cand_exp.train.pipeline_schedule)
+      # What model/moe.py runs (the experts over mesh.expert), before the pipeline's
+      # checks. A dense model passes.
+      moe.check_mesh(cand_exp.model, reduced.sizes)
       if stages > 1:
         micro = reduced.micro_batches
         schedule = cand_exp.train.pipeline_schedule

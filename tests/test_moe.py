@@ -596,7 +596,7 @@ def test_bad_moe_input_at_the_command_line_is_one_line_and_exit_2():
 def _pipelined(model: ModelConfig, mesh_cfg: MeshConfig, micro_batch: int, **train_fields):
   devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.context * mesh_cfg.pipeline
   train = dataclasses.replace(
-    TRAIN, micro_batch=micro_batch, pipeline_schedule="1f1b", **train_fields
+    TRAIN, micro_batch=micro_batch, **{"pipeline_schedule": "1f1b", **train_fields}
   )
   mesh_cfg = dataclasses.replace(mesh_cfg, devices_per_node=devices)
   return train_step.build(
@@ -675,12 +675,30 @@ def test_pipelined_moe_gradients_reduced_in_the_drain_match_one_device():
   _assert_matches_one_device(program, model, compiled, 3, routed)
 
 
-def test_moe_pipelines_with_1f1b_only():
-  mesh = build_mesh(plan(MeshConfig(data=1, pipeline=2, devices_per_node=2), 2), jax.devices()[:2])
-  train = dataclasses.replace(TRAIN, micro_batch=2, pipeline_schedule="gpipe")
-  with pytest.raises(UserInputError, match="1f1b schedule only") as e:
-    train_step.build(MODEL, train, mesh)
-  assert "\n" not in str(e.value)
+@pytest.mark.parametrize(
+  "schedule, virtual_stages, passes",
+  [("gpipe", 1, 2), ("interleaved", 2, 1)],
+  ids=["gpipe-2-passes", "interleaved"],
+)
+def test_lockstep_pipelined_moe_step_matches_one_device(schedule, virtual_stages, passes):
+  """The lockstep schedules (parallelism/pipeline.py `run`), differentiated by autodiff, on
+  data 2 x expert 2 x pipeline 2 with the dense first layer before the loop and the
+  multi-token prediction module with the loss: the one-device losses, loads and parameters
+  (tolerances as above). Their idle trips compute on stale data: their loads and
+  balance-loss gradients are weighted 0, and the coefficient is over a pass's micro-batches
+  (GPipe's 2 passes of 2)."""
+  routed = 2 * virtual_stages
+  model = dataclasses.replace(MTP_MODEL, num_layers=1 + routed)
+  program = _pipelined(
+    model,
+    MeshConfig(data=2, expert=2, pipeline=2),
+    1,
+    pipeline_schedule=schedule,
+    virtual_stages=virtual_stages,
+    pipeline_passes=passes,
+  )
+  compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
+  _assert_matches_one_device(program, model, compiled, virtual_stages, routed)
 
 
 def test_top_k_is_lax_top_k():

@@ -128,13 +128,14 @@ def _pieces(
   """The model's pieces; a pipelined MoE model's with its dense first layers as the
   prefix, idle trips' weight gradients dropped (the loads and the balance loss's gradient
   do not vanish with the output's cotangent), and the balance loss's coefficient over the
-  M micro-batches: each micro-batch's forward attaches it whole, while the 1F1B schedule
-  weighs each micro-batch's language-model loss 1 / M (accumulation averages both)."""
+  M' micro-batches of a pass (all M under 1F1B): each micro-batch's forward attaches it
+  whole, while a pass weighs each micro-batch's language-model loss 1 / M' (accumulation
+  over the passes averages both)."""
   pieces = loss_pieces(model_cfg, graphdef)
   if not (plan.pipelined and model_cfg.moe):
     return pieces
   scaled = dataclasses.replace(
-    model_cfg, aux_loss_coef=model_cfg.aux_loss_coef / plan.micro_batches
+    model_cfg, aux_loss_coef=model_cfg.aux_loss_coef / (plan.micro_batches // plan.passes)
   )
   model = lambda params: nnx.merge(graphdef, params)
   return pieces._replace(
@@ -210,7 +211,7 @@ def build(
     )
 
   model_cfg.validate_context(mesh.shape.get(context.CONTEXT, 1), mesh.shape["tensor"], stages)
-  moe.check_mesh(model_cfg, dict(mesh.shape), train_cfg.pipeline_schedule)
+  moe.check_mesh(model_cfg, dict(mesh.shape))
   stacked = model_cfg.stacked_layers  # the dense prefix runs before (gradients.LossPieces)
   gradients.check_scales(train_cfg.pipeline_schedule, stages, model_cfg.delayed_scaling)
   if adapters.enabled and pipelined:
