@@ -12,8 +12,9 @@ variants (`gb200_512`, `gb300_8192`), selected by the target's GPU count:
   python launch.py --mode=project --experiment=mlperf_deepseek_v3_671b --hardware=gb300 --gpus=8192
 
 What differs from the published runs (docs/moe.md): the weight matmuls are MXFP8 as
-published, but attention is cuDNN's bf16 kernel (theirs FP8), its values padded to the
-keys' width, and the output head is bf16 (GB300's is MXFP8); the multi-token prediction
+published (GB300's output head too), but attention is cuDNN's bf16 kernel (theirs FP8:
+JAX's cuDNN FP8 attention trains at head dim 128 only, MLA's queries and keys have 192),
+its values padded to the keys' width; the multi-token prediction
 module runs with the loss on every pipeline rank (its share of the micro-batches), not
 in the last stage's spare slots; capacity buffers of factor 1 (the work of balanced
 routing; the published runs are dropless and not force-balanced), the 3 dense layers run
@@ -107,7 +108,8 @@ def train_config(global_batch: int, micro_batch: int = 1) -> TrainConfig:
 # matmuls at the shapes balanced routing gives (the routing taken as balanced). MXFP8 weight
 # matmuls (E4M3, an E8M0 scale per 32 values), as NVIDIA's runs (their config_*_mxfp8
 # scripts): the experts', latent attention's projections and the dense and shared MLPs';
-# the router, embedding and output head in bf16 (float32 for the router). cuDNN's fused
+# the router and embedding in bf16 (float32 for the router), and the output head in bf16
+# but on GB300, whose configs run an MXFP8 LM head (`_experiment`). cuDNN's fused
 # attention, as NVIDIA's runs (Transformer Engine) but in bf16 (theirs is FP8), its values
 # padded from 128 to the keys' 192 dims (model/attention.py).
 # Parameters and Adam moments in bf16 (the router biases in float32, model/moe.py), the
@@ -142,7 +144,7 @@ def _experiment(run: published.PublishedRun) -> ExperimentConfig:
       f"micro-batch {run.micro_batch}, GBS {run.global_batch:,} (published "
       f"{run.score_min} min, {run.steps} steps)"
     ),
-    model=dataclasses.replace(MODEL, remat=remat),
+    model=dataclasses.replace(MODEL, remat=remat, block_scaled_head=run.mxfp8_head),
     # EP x TP = 64 GPUs of a 72-GPU rack, as published: the expert group inside one
     # NVLink domain without dividing it.
     mesh=MeshConfig(

@@ -11,7 +11,7 @@ Shortcuts for the parallelism of a projection, each setting the real field(s):
   tensor_parallel=N    mesh.tensor          pipeline_parallel=N  mesh.pipeline
   virtual_stages=N     train.virtual_stages micro_batch=N        train.micro_batch
   global_batch=N       train.global_batch
-  precision=bf16|fp8|mxfp8|nvfp4             model.fp8 and model.block_scaling
+  precision=bf16|fp8|mxfp8|nvfp4             model.fp8, model.block_scaling (and _head)
   remat=POLICY         model.remat (none, full, save_dots)
   context_parallel=N   mesh.context         expert_parallel=N    mesh.expert
 """
@@ -73,8 +73,16 @@ _POSITIVE = {
 # Each choice's value: the (field, value) assignments it stands for.
 _CHOICES = {
   "precision": {
-    "bf16": (("model.fp8", "false"), ("model.block_scaling", "none")),
-    "fp8": (("model.fp8", "true"), ("model.block_scaling", "none")),
+    "bf16": (
+      ("model.fp8", "false"),
+      ("model.block_scaling", "none"),
+      ("model.block_scaled_head", "false"),
+    ),
+    "fp8": (
+      ("model.fp8", "true"),
+      ("model.block_scaling", "none"),
+      ("model.block_scaled_head", "false"),
+    ),
     "mxfp8": (("model.fp8", "false"), ("model.block_scaling", "mxfp8")),
     "nvfp4": (("model.fp8", "false"), ("model.block_scaling", "nvfp4")),
   },

@@ -66,6 +66,9 @@ class ModelConfig:
   # per 32 values) or "nvfp4" (E2M1, an E4M3 scale per 16 and one per tensor), forward
   # and backward (model/block_scaled.py); "none": the compute dtype (or fp8).
   block_scaling: str = "none"  # one of BLOCK_SCALING
+  # The output head's matmul block-scaled too, in block_scaling's format (NVIDIA's GB300
+  # DeepSeek-V3 recipe runs an MXFP8 LM head); false: the head in the compute dtype.
+  block_scaled_head: bool = False
   norm: str = "layernorm"  # one of NORMS
   norm_eps: float = 1e-5
   positions: str = "learned"  # one of POSITIONS
@@ -264,6 +267,10 @@ class ModelConfig:
     if self.block_scaling not in BLOCK_SCALING:
       raise UserInputError(
         f"model.block_scaling must be one of {', '.join(BLOCK_SCALING)}, got {self.block_scaling!r}"
+      )
+    if self.block_scaled_head and self.block_scaling == "none":
+      raise UserInputError(
+        "model.block_scaled_head = true needs model.block_scaling = mxfp8 or nvfp4"
       )
     if self.block_scaling != "none" and self.fp8:
       raise UserInputError(

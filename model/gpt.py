@@ -544,7 +544,11 @@ class GPT(nnx.Module):
 
   def _logits(self, x: jax.Array) -> jax.Array:
     """The shared output head: normed hidden states [B, T, D] -> logits [B, T, V] float32."""
-    if self.cfg.tie_embeddings:
+    if self.cfg.block_scaled_head:
+      w = self._token_table().T if self.cfg.tie_embeddings else self._cast(self.lm_head)
+      # Quantized in each call, [D, V] along D and along V (block_scaled.einsum).
+      logits = block_scaled.einsum("btd,dv->btv", x, w, self.cfg.block_scaling)
+    elif self.cfg.tie_embeddings:
       logits = jnp.einsum("btd,vd->btv", x, self._token_table())
     else:
       logits = jnp.einsum("btd,dv->btv", x, self._cast(self.lm_head))

@@ -243,9 +243,10 @@ def test_hopper_refuses_block_scaled_formats():
 
 
 @functools.cache
-def _blackwell_step(fmt: str):
-  """A 2-layer Llama's training step compiled deviceless for B200 with `fmt` matmuls, and
-  its model. Widths of 128: cuDNN pads a block-scaled GEMM's dimensions to multiples of 128."""
+def _blackwell_step(fmt: str, head: bool = False):
+  """A 2-layer Llama's training step compiled deviceless for B200 with `fmt` matmuls (the
+  output head's too with `head`), and its model. Widths of 128: cuDNN pads a block-scaled
+  GEMM's dimensions to multiples of 128."""
   model = dataclasses.replace(
     SMALL_LLAMA,
     d_model=128,
@@ -254,6 +255,7 @@ def _blackwell_step(fmt: str):
     compute_dtype="bfloat16",
     num_layers=2,
     block_scaling=fmt,
+    block_scaled_head=head,
     remat="none",
   )
   train = TrainConfig(global_batch=8, steps=1)
@@ -283,6 +285,28 @@ def test_blackwell_compile_runs_every_weight_gemm_block_scaled(fmt, operand):
   weights = D * D + D * 2 * G * K + D * D + D * 2 * F + F * D
   expected = 3 * 2 * 128 * weights * model.num_layers
   assert sum(n.dot_flops * m for n, m in scaled) == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
+def test_a_block_scaled_head_runs_its_three_gemms_block_scaled():
+  """model.block_scaled_head (GB300's MXFP8 LM head): the head's forward and both gradients
+  join the block-scaled GEMMs, 3 x 2 x 128 tokens x D x V more FLOPs, and no dot in the
+  compute dtype is left with the head's shape."""
+  plain, model = _blackwell_step("mxfp8")
+  headed, _ = _blackwell_step("mxfp8", head=True)
+
+  def flops(step, dtype):
+    return sum(
+      n.dot_flops * m
+      for n, m in hlo.walk(step.program)
+      if isinstance(n, hlo.Compute) and n.dot_dtype == dtype and n.dot_flops
+    )
+
+  head = 3 * 2 * 128 * model.d_model * model.vocab_size
+  assert flops(headed, "f8e4m3fn") - flops(plain, "f8e4m3fn") == pytest.approx(head, rel=1e-6)
+  assert flops(plain, "bf16") - flops(headed, "bf16") == pytest.approx(head, rel=1e-6)
+  with pytest.raises(UserInputError, match="model.block_scaled_head = true needs"):
+    dataclasses.replace(model, block_scaling="none", block_scaled_head=True).validate()
 
 
 @pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
