@@ -8,7 +8,9 @@ three GEMMs of each (the forward, and the input and weight gradients) take block
 operands, each quantized along that GEMM's contraction axis, with a float32 accumulator;
 outputs are in the compute dtype. The rest of the model (embedding, output head, norms,
 the MoE router, attention's softmax and its two batched matmuls) stays in the compute
-dtype (the router in float32), as in the published recipes.
+dtype (the router in float32), as in the published recipes; the output head is
+block-scaled too with model.block_scaled_head (GB300's DeepSeek-V3 configs: an MXFP8 LM
+head), its weight quantized in each call.
 
 Formats (`FORMATS`; the OCP Microscaling spec for MXFP8, NVIDIA's for NVFP4):
 - mxfp8: E4M3 values, one power-of-two E8M0 scale per 32 values along the contraction

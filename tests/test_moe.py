@@ -686,7 +686,7 @@ def test_lockstep_pipelined_moe_step_matches_one_device(schedule, virtual_stages
   multi-token prediction module with the loss: the one-device losses, loads and parameters
   (tolerances as above). Their idle trips compute on stale data: their loads and
   balance-loss gradients are weighted 0, and the coefficient is over a pass's micro-batches
-  (GPipe's 2 passes of 2)."""
+  (GPipe's 2 passes of 1)."""
   routed = 2 * virtual_stages
   model = dataclasses.replace(MTP_MODEL, num_layers=1 + routed)
   program = _pipelined(
