@@ -32,7 +32,7 @@ BLOCK_SCALING = ("none", "mxfp8", "nvfp4")
 ROUTER_SCORES = ("softmax", "sigmoid")
 # How tokens reach their experts: capacity buffers resharded by the GSPMD partitioner (an
 # all-to-all each way; model/moe.py).
-MOE_DISPATCH = ("capacity",)
+MOE_DISPATCH = ("capacity", "allgather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +116,8 @@ class ModelConfig:
   # Slots per expert = capacity_factor x k T / E per sequence; assignments beyond are
   # dropped. 0: dropless.
   capacity_factor: float = 0.0
+  # Token dispatch and combine over `expert` (model/moe.py): capacity buffers moved by
+  # all-to-alls, or the expert group's tokens all-gathered and outputs reduce-scattered.
   moe_dispatch: str = "capacity"  # one of MOE_DISPATCH
   # Multi-head latent attention (model/mla.py; DeepSeek-V2/V3) when kv_lora_rank > 0: keys
   # and values from a latent of this rank, queries from one of q_lora_rank (0: a plain

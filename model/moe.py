@@ -36,7 +36,17 @@ tokens are gathered into a [B, E, C, D] buffer by index (no one-hot matmul: that
 2 B T E C D FLOPs, more than the experts at DeepSeek-V3's E = 256), resharded from batch-split
 to expert-split (`expert` mesh axis), which the partitioner emits as an all-to-all, run
 through the experts as two batched matmuls, resharded back (the second all-to-all) and
-combined by index with the gates.
+combined by index with the gates. That is model.moe_dispatch=capacity. With
+moe_dispatch=allgather (Megatron-Core's all-gather token dispatcher) each `expert` rank
+all-gathers its expert group's tokens and slots instead (`gathered_dispatch`), fills only
+its own experts' slots, and after the experts weighs its outputs for the group's tokens;
+the partial sums are reduce-scattered back (`scattered_combine`). The routing, slots and
+drops are the same; what moves is the group's tokens, (EP - 1) / EP x D a token each way,
+against k x capacity_factor x (EP - 1) / EP x D for the all-to-alls: more where EP > k,
+but independent of the capacity (dropless buffers are E / k times the tokens), and an
+all-gather crosses InfiniBand once per node where an all-to-all crosses it per GPU. Both
+run as explicit collectives in shard_maps (the partitioner, left to place them, gathered
+whole index arrays and all-reduced the combine).
 
 Grouped GEMMs as capacity-buffer einsums, not jax.lax.ragged_dot. jax 0.10.2 compiles
 ragged_dot for a CUDA target (deviceless, projection/aot_compile.py) as a dense dot over
@@ -66,7 +76,7 @@ from errors import UserInputError
 from model import block_scaled
 from model.config import ModelConfig
 from parallelism import context, pipeline
-from parallelism.rules import constrain
+from parallelism.rules import constrain, spec
 
 # The combine all-to-all's output, by name for the remat policies (model/gpt.py). Saved
 # in place of the experts' output it is made of (the same bytes), the backward pass reads
@@ -76,6 +86,15 @@ from parallelism.rules import constrain
 # which costs less than stashing another buffer (DeepSeek-V3 at 8,192 GB300: 2.99 s a
 # step and 270 GB a GPU saved against 2.77 s and 238 GB redone).
 RETURNED_NAME = "moe_returned"
+
+EXPERT = "expert"  # the mesh axis the routed experts split over
+
+
+def expert_ranks() -> int:
+  """`expert` ranks of the current mesh (1 outside a mesh or without the axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty or EXPERT not in mesh.shape else mesh.shape[EXPERT]
+
 
 # The parameters a MoE layer adds to the stack (besides the shared experts' fc1/fc2).
 PARAMS = ("router_kernel", "router_bias", "expert_fc1", "expert_fc2")
@@ -177,17 +196,86 @@ def slots(experts: jax.Array, num_experts: int, capacity_slots: int) -> tuple[ja
   return slot, chosen.sum((1, 2))
 
 
-def dispatch(x: jax.Array, slot: jax.Array, num_slots: int) -> jax.Array:
-  """x [B, T, D] -> the buffer [B, S, D] (S = E x C) by index; empty slots are zeros."""
+def dispatch(
+  x: jax.Array, slot: jax.Array, num_slots: int, batch_axes: tuple = ("batch", None)
+) -> jax.Array:
+  """x [B, T, D] -> the buffer [B, S, D] (S = E x C) by index; empty slots are zeros.
+  batch_axes: the logical axes of the token indices [B, S] (inside `_by_hand`, none)."""
   B, T, k = slot.shape
   rows = jnp.arange(B)[:, None, None]
   tokens = jnp.broadcast_to(jnp.arange(T)[None, :, None], slot.shape)
   # Which token fills each slot (T: none, a zero row); the drop slot S is cut off.
   token_of_slot = jnp.full((B, num_slots + 1), T, jnp.int32).at[rows, slot].set(tokens)
   # Operand and indices split alike over the batch, so the gather stays on each rank.
-  token_of_slot = constrain(token_of_slot, ("batch", None))
-  padded = constrain(jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1), ("batch", None, None))
+  token_of_slot = constrain(token_of_slot, batch_axes)
+  padded = constrain(jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1), (*batch_axes, None))
   return jnp.take_along_axis(padded, token_of_slot[:, :num_slots, None], axis=1)
+
+
+def _by_hand(fn, in_axes: tuple, out_axes: tuple):
+  """fn on each rank's blocks, manual over every mesh axis (as parallelism/context.py's
+  attention, and for the same reasons: under the pipeline's vmaps; every collective in fn
+  explicit). in_axes and out_axes: the logical axes (rules.py) of its inputs and output."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=tuple(spec(axes) for axes in in_axes),
+    out_specs=spec(out_axes),
+    axis_names=set(mesh.axis_names),
+    check_vma=False,
+  )
+
+
+def _group_slots(slot: jax.Array, local_slots: int) -> jax.Array:
+  """A rank's slots [b, T, k] -> its expert group's [b EP, T, k] (all-gathered over
+  `expert`), as indices into this rank's local_slots (E / EP experts' C each), or
+  local_slots for an assignment to another rank's experts or dropped."""
+  group = jax.lax.all_gather(slot, EXPERT, axis=0, tiled=True)
+  local = group - jax.lax.axis_index(EXPERT) * local_slots
+  return jnp.where((local >= 0) & (local < local_slots), local, local_slots)
+
+
+def gathered_dispatch(h: jax.Array, slot: jax.Array, experts: int, capacity_slots: int):
+  """The all-gather dispatch (model.moe_dispatch=allgather): h [B, T, D] and slot [B, T, k]
+  split over the batch -> the buffer [B, E, C, D] split over `expert` along E, each rank
+  filling its own experts' slots from its expert group's tokens, all-gathered."""
+  B, T, D = h.shape
+
+  def local(h, slot):  # [b, T, D], [b, T, k] -> [b EP, E / EP, C, D]
+    local_experts = experts // jax.lax.axis_size(EXPERT)
+    slots = _group_slots(slot, local_experts * capacity_slots)
+    group = jax.lax.all_gather(h, EXPERT, axis=0, tiled=True)
+    buffer = dispatch(group, slots, local_experts * capacity_slots, (None, None))
+    return buffer.reshape(-1, local_experts, capacity_slots, D)
+
+  batch = ("batch", None, None)
+  return _by_hand(local, (batch, batch), ("expert_batch", "act_expert", None, None))(h, slot)
+
+
+def scattered_combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
+  """The all-gather dispatch's combine: y [B, E, C, D] split over `expert` along E, slot and
+  gates [B, T, k] split over the batch -> [B, T, D] likewise: each rank weighs its own
+  experts' outputs for its expert group's tokens, and the partial sums are
+  reduce-scattered over `expert` back to the batch's split."""
+  mesh = jax.sharding.get_abstract_mesh()
+  # XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters: float32 on CPU meshes
+  # (as parallelism/context.py).
+  cpu = mesh.abstract_device is not None and mesh.abstract_device.platform == "cpu"
+
+  def local(y, slot, gates):  # [b EP, E / EP, C, D], [b, T, k] x 2 -> [b, T, D]
+    b, local_experts, capacity_slots, D = y.shape
+    slots = _group_slots(slot, local_experts * capacity_slots)
+    group_gates = jax.lax.all_gather(gates, EXPERT, axis=0, tiled=True)
+    partial = combine(y.reshape(b, -1, D), slots, group_gates)
+    wire = jnp.float32 if cpu else partial.dtype
+    summed = jax.lax.psum_scatter(partial.astype(wire), EXPERT, scatter_dimension=0, tiled=True)
+    return summed.astype(y.dtype)
+
+  batch = ("batch", None, None)
+  return _by_hand(local, (("expert_batch", "act_expert", None, None), batch, batch), batch)(
+    y, slot, gates
+  )
 
 
 def combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
@@ -255,9 +343,13 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   experts, gates, scores = route(cfg, logits, p[BIAS])
   slot, counts = slots(experts, E, C)
   dropped = (slot == E * C).sum()
-  buffer = dispatch(h, slot, E * C).reshape(B, E, C, D)
-  # Batch-split -> expert-split: the dispatch all-to-all.
   expert_axes = ("expert_batch", "act_expert", None, None)
+  gathered = cfg.moe_dispatch == "allgather" and expert_ranks() > 1
+  if gathered:
+    buffer = gathered_dispatch(h, slot, E, C)
+  else:
+    buffer = dispatch(h, slot, E * C).reshape(B, E, C, D)
+  # Batch-split -> expert-split: the dispatch all-to-all (capacity).
   buffer = constrain(buffer, expert_axes)
   # One GEMM an expert (the expert axis a batch axis), block-scaled with block scaling.
   matmul = block_scaled.einsum_for(cfg.block_scaling)
@@ -265,10 +357,12 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   up = constrain(up, ("expert_batch", "act_expert", None, None, "act_mlp"))
   act = jax.nn.silu(up[..., 0, :]) * up[..., 1, :]  # [B, E, C, F]
   out = constrain(matmul("becf,efd->becd", act, p["expert_fc2"]), expert_axes)
-  # Expert-split -> batch-split: the combine all-to-all.
-  out = checkpoint_name(constrain(out, ("batch", None, None, None)), RETURNED_NAME)
-  out = out.reshape(B, E * C, D)
-  y = combine(out, slot, gates)
+  if gathered:
+    y = checkpoint_name(scattered_combine(out, slot, gates), RETURNED_NAME)
+  else:
+    # Expert-split -> batch-split: the combine all-to-all.
+    out = checkpoint_name(constrain(out, ("batch", None, None, None)), RETURNED_NAME)
+    y = combine(out.reshape(B, E * C, D), slot, gates)
   if cfg.aux_loss_coef > 0 or cfg.router_bias_rate > 0:
     aux = balance_loss(cfg, scores, counts) if cfg.aux_loss_coef > 0 else jnp.zeros(())
     row = pipeline.row_weight()

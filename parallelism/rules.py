@@ -122,9 +122,10 @@ def vmapped_axes() -> frozenset[str]:
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-  """Pin an activation's sharding inside jit; a no-op outside a mesh context."""
+  """Pin an activation's sharding inside jit; a no-op outside a mesh context and inside a
+  shard_map manual over every axis (nothing is left to partition there)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+  if mesh.empty or all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
     return x
   axes = resolve(logical_axes, x.shape, mesh.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes)))

@@ -20,6 +20,7 @@ from projected import projected
 import experiments
 from errors import UserInputError
 from experiments import overrides
+from measure import host_calibration
 from model import flops, moe
 from model.attention import attention
 from model.config import ModelConfig
@@ -27,7 +28,8 @@ from model.gpt import GPT, run_layers
 from model.presets import preset
 from parallelism import pipeline
 from parallelism.mesh import MeshConfig, build_mesh, plan
-from projection import hlo, step_loops, targets
+from projection import aot_compile, hlo, step_loops, targets
+from projection.plan import plan as projection_plan
 from train import data
 from train import step as train_step
 from train.config import TrainConfig
@@ -103,6 +105,8 @@ MTP_MODEL = dataclasses.replace(MODEL, mtp_layers=1)
 # whose capacity under a factor differs from a whole sequence's; without drops the routing
 # is the one device's.
 DROPLESS = dataclasses.replace(MODEL, capacity_factor=0.0)
+# The all-gather dispatch (model/moe.py `gathered_dispatch`): the same routing and drops.
+GATHERED = dataclasses.replace(MODEL, moe_dispatch="allgather")
 
 
 @pytest.mark.parametrize(
@@ -113,11 +117,13 @@ DROPLESS = dataclasses.replace(MODEL, capacity_factor=0.0)
     # Latent attention's rotary dims at the tokens' true positions, the balance loss over
     # whole sequences (model/moe.py `balance_loss`).
     (MeshConfig(data=2, expert=2, context=2, tensor=1), DROPLESS, False),
+    (MeshConfig(data=2, expert=2, tensor=2), GATHERED, False),
   ],
   ids=[
     "data2-expert2-tensor2-mtp",
     "data2-expert2-tensor2-sequence-parallel",
     "data2-expert2-context2-dropless",
+    "data2-expert2-tensor2-allgather",
   ],
 )
 def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel):
@@ -130,9 +136,19 @@ def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel)
   assert layers["expert_fc2"].sharding.spec[1] == "expert"
   if mesh_cfg.tensor > 1:
     assert layers["expert_fc1"].sharding.spec[4] == "tensor"
-  # The dispatch and combine are all-to-alls over `expert`, in the forward and backward.
   text = program.lower(TRAIN.global_batch, model.seq_len).compile().as_text()
-  assert text.count("all-to-all(") >= 2, "no all-to-all in the compiled step"
+  if model.moe_dispatch == "allgather":
+    # The expert group's tokens all-gathered and the partial outputs reduce-scattered over
+    # `expert` (devices 0 and 2 are one expert group: data x expert x tensor), no
+    # all-to-all.
+    expert_groups = "replica_groups={{0,2},{1,3},{4,6},{5,7}}"
+    for kind in ("all-gather", "reduce-scatter"):
+      ops = [line for line in text.splitlines() if re.search(f" {kind}(-start)?\\(", line)]
+      assert any(expert_groups in line for line in ops), f"no {kind} over `expert`"
+    assert "all-to-all(" not in text
+  else:
+    # The dispatch and combine are all-to-alls over `expert`, in the forward and backward.
+    assert text.count("all-to-all(") >= 2, "no all-to-all in the compiled step"
   losses, imbalance, params = _train(program, model)
   losses_1, imbalance_1, params_1 = _one_device(model)
   np.testing.assert_allclose(losses, losses_1, rtol=RTOL)
@@ -407,30 +423,51 @@ def test_latent_attention_runs_through_cudnn():
   assert [g.shape[-1] for g in grads] == [qk, qk, v]
 
 
+def _ep16(*assignments: str):
+  """The moe experiment with 16 experts over EP 16 (beyond an 8-GPU node), bf16, one
+  sequence a micro-batch, and `assignments`."""
+  fields = [
+    "model.num_experts=16",
+    "model.compute_dtype=bfloat16",
+    "mesh.expert=16",
+    "mesh.tensor=1",
+    "mesh.data=-1",
+    "mesh.allow_expert_beyond_nvlink=true",
+    "train.global_batch=32",
+    "train.micro_batch=1",
+  ]
+  return overrides.apply(experiments.load("moe"), [*fields, *assignments])
+
+
 @pytest.mark.skipif(not targets.cuda_available()[0], reason="no deviceless CUDA target")
 def test_expert_all_to_all_is_costed_on_nvlink_or_infiniband():
   """moe-tiny with 16 experts over EP 16, projected (deviceless CUDA compile): on 16 H100
   (two 8-GPU nodes) the expert group crosses InfiniBand, on 16 GB200 it sits in one NVL72
   rack. The only exposed communication is on `expert`, and it costs more over the NICs."""
-  exp = overrides.apply(
-    experiments.load("moe"),
-    [
-      "model.num_experts=16",
-      "model.compute_dtype=bfloat16",
-      "mesh.expert=16",
-      "mesh.tensor=1",
-      "mesh.data=-1",
-      "mesh.allow_expert_beyond_nvlink=true",
-      "train.global_batch=32",
-      "train.micro_batch=1",
-    ],
-  )
+  exp = _ep16()
   h100, gb200 = (projected(exp, hw, 16) for hw in ("h100", "gb200"))
   by_axis = [r["breakdown"]["exposed_comm_by_axis_s"] for r in (h100, gb200)]
   assert all(set(axes) == {"expert"} for axes in by_axis), by_axis
   assert by_axis[0]["expert"] > 2 * by_axis[1]["expert"], by_axis
   # The record says how the routing was costed.
   assert h100["routing"].startswith("taken as balanced: every expert's matmuls at capacity")
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="no deviceless CUDA target")
+def test_allgather_dispatch_compiles_for_h100_without_all_to_all():
+  """model.moe_dispatch=allgather compiled deviceless for 16 H100 (EP 16 over two nodes):
+  the expert group's tokens all-gathered and the outputs reduce-scattered over `expert`
+  (the forward, the remat's recompute and the backward), no all-to-all; projected, its
+  `expert` communication is what is exposed."""
+  exp = _ep16("model.moe_dispatch=allgather")
+  record = projected(exp, "h100", 16)
+  assert record["compile_target"] == "cuda", record["compile_note"]
+  assert set(record["breakdown"]["exposed_comm_by_axis_s"]) == {"expert"}
+  reduced = projection_plan(exp, host_calibration.hardware("h100", 16), 16).reduced
+  train = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
+  step = aot_compile.compile_step(exp.model, train, tuple(reduced.sizes.items()), "h100", 8)
+  kinds = {n.kind for n, _ in hlo.walk(step.program) if isinstance(n, hlo.Collective)}
+  assert "all-to-all" not in kinds and {"all-gather", "reduce-scatter"} <= kinds, kinds
 
 
 def _param_count(name: str) -> int:
@@ -640,11 +677,12 @@ def test_pipelined_moe_step_matches_one_device():
 
 def test_context_parallel_moe_inside_the_pipeline_matches_one_device():
   """Each context rank's slab through the 1F1B pipeline (expert 2 x context 2 x pipeline
-  2, dropless): the balance loss's counts summed over the slabs inside the pipeline's
-  loops, the loads summed with the gradients; the one-device losses, loads and
+  2, dropless, the all-gather dispatch): the balance loss's counts summed over the slabs
+  inside the pipeline's loops, the loads summed with the gradients, the dispatch's
+  shard_maps under the slabs' and ranks' vmaps; the one-device losses, loads and
   parameters (tolerances as above)."""
   routed = 2
-  model = dataclasses.replace(DROPLESS, num_layers=1 + routed)
+  model = dataclasses.replace(DROPLESS, num_layers=1 + routed, moe_dispatch="allgather")
   program = _pipelined(model, MeshConfig(data=1, expert=2, context=2, pipeline=2), 2)
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
   _assert_matches_one_device(program, model, compiled, 1, routed)
