@@ -398,11 +398,6 @@ class ModelConfig:
     """The model on a mesh with `context` context-parallel ranks (parallelism/context.py)."""
     if context == 1:
       return
-    if self.mtp_layers:
-      # Its shifted tokens would cross the load-balanced chunks' order (context.permuted).
-      raise UserInputError(
-        f"model.mtp_layers = {self.mtp_layers} runs with mesh.context = 1, got {context}"
-      )
     if self.seq_len % (2 * context):
       raise UserInputError(
         f"model.seq_len = {self.seq_len} does not split into 2 x mesh.context "

@@ -528,7 +528,8 @@ class GPT(nnx.Module):
     axes = residual_axes(cfg)
     logits, h = [], x
     for k in range(cfg.mtp_layers):
-      shifted = constrain(self._token_table()[jnp.roll(targets, -k, axis=1)], axes)
+      # Token i + k + 1 of the sequence: with context parallelism perhaps another rank's.
+      shifted = constrain(self._token_table()[context.shifted(targets, k)[0]], axes)
       scale = lambda name: {"n_scale": self._cast(getattr(self, name))[k]}
       both = jnp.stack(  # [B, 2, T, D]
         [

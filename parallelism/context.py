@@ -107,6 +107,30 @@ def permuted(tokens: jax.Array) -> jax.Array:
   return tokens[..., order(tokens.shape[-1], context_ranks)]
 
 
+def shifted(tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, int]:
+  """tokens [..., T] in the program's token order -> (at each place the token k true
+  positions later [..., T], wrapping round past the end as a roll does, whether there is
+  one [T] bool, and how many
+  places of the whole sequence have one: its true length less k). Multi-token prediction's
+  shifted targets (model/gpt.py, train/step.py). One rank: a roll. Split over the
+  context ranks, a token k positions later may sit on another rank: on a slab the
+  sequence's tokens are all-gathered over the slabs (int32, 4 bytes a token), put back
+  in true order and read at this slab's true positions plus k."""
+  context_ranks, T = ranks(), tokens.shape[-1]
+  if context_ranks == 1:
+    return jnp.roll(tokens, -k, axis=-1), jnp.arange(T) < T - k, T - k
+  if slabbed():
+    slab = jax.lax.all_gather(tokens, SLAB)  # [CP, ..., t]
+    program_order = jnp.moveaxis(slab, 0, -2).reshape(*tokens.shape[:-1], -1)
+    length = program_order.shape[-1]
+    here = positions(T)
+  else:
+    program_order, length, here = tokens, T, order(T, context_ranks)
+  true_order = program_order[..., np.argsort(order(length, context_ranks))]
+  later = jnp.asarray(here) + k
+  return true_order[..., later % length], later < length, length - k
+
+
 def attention(
   q: jax.Array,
   k: jax.Array,

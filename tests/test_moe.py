@@ -26,7 +26,7 @@ from model.attention import attention
 from model.config import ModelConfig
 from model.gpt import GPT, run_layers
 from model.presets import preset
-from parallelism import pipeline
+from parallelism import context, pipeline, rules
 from parallelism.mesh import MeshConfig, build_mesh, plan
 from projection import aot_compile, hlo, step_loops, targets
 from projection.plan import plan as projection_plan
@@ -103,8 +103,9 @@ BLOCKED = dataclasses.replace(
 MTP_MODEL = dataclasses.replace(MODEL, mtp_layers=1)
 # Dropless: with context parallelism a rank's slab is its own routing group (model/moe.py),
 # whose capacity under a factor differs from a whole sequence's; without drops the routing
-# is the one device's.
-DROPLESS = dataclasses.replace(MODEL, capacity_factor=0.0)
+# is the one device's. With two multi-token prediction modules, whose shifted targets cross
+# the context ranks' slabs (parallelism/context.py `shifted`).
+DROPLESS = dataclasses.replace(MODEL, capacity_factor=0.0, mtp_layers=2)
 # The all-gather dispatch (model/moe.py `gathered_dispatch`): the same routing and drops.
 GATHERED = dataclasses.replace(MODEL, moe_dispatch="allgather")
 
@@ -115,7 +116,7 @@ GATHERED = dataclasses.replace(MODEL, moe_dispatch="allgather")
     (MeshConfig(data=2, expert=2, tensor=2), MTP_MODEL, False),
     (MeshConfig(data=2, expert=2, tensor=2), GQA_MODEL, True),
     # Latent attention's rotary dims at the tokens' true positions, the balance loss over
-    # whole sequences (model/moe.py `balance_loss`).
+    # whole sequences (model/moe.py `balance_loss`), the MTP module's targets.
     (MeshConfig(data=2, expert=2, context=2, tensor=1), DROPLESS, False),
     (MeshConfig(data=2, expert=2, tensor=2), GATHERED, False),
   ],
@@ -543,9 +544,23 @@ def test_mtp_modules_see_no_token_they_predict():
   )
 
 
-def test_mtp_with_context_parallelism_is_refused():
-  with pytest.raises(UserInputError, match="model.mtp_layers = 1 runs with mesh.context = 1"):
-    MTP_MODEL.validate_context(2, 1, 1)
+def test_mtp_targets_across_context_ranks_are_the_rolled_sequence():
+  """context.shifted on 2 ranks' slabs (the train step's vmap over them): the token k true
+  positions later at each place, as rolling the unpermuted sequence gives (wrapping round:
+  the places past the end route like one device's, though the loss leaves them out), which
+  places have one, and the mean's count over the whole sequence."""
+  mesh = build_mesh(plan(MeshConfig(data=1, context=2, devices_per_node=2), 2), jax.devices()[:2])
+  T, k = 16, 2
+  tokens = jnp.arange(100, 100 + 2 * T, dtype=jnp.int32).reshape(2, T)  # [b, T], true order
+  slabs = context.slabs(tokens, 2).swapaxes(0, 1)  # [CP, b, T / CP]
+  with jax.set_mesh(mesh), rules.vmapped(context.CONTEXT):
+    fn = jax.vmap(lambda t: context.shifted(t, k), axis_name=context.SLAB)
+    later, valid, counted = jax.jit(fn)(slabs)
+  rolled = context.slabs(jnp.roll(tokens, -k, axis=-1), 2).swapaxes(0, 1)
+  is_valid = context.slabs(jnp.arange(T) < T - k, 2)
+  np.testing.assert_array_equal(later, rolled)
+  np.testing.assert_array_equal(valid, is_valid)
+  np.testing.assert_array_equal(counted, T - k)
 
 
 def test_moe_experiment_selects_sizes():

@@ -49,13 +49,14 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def mtp_loss(logits: list[jax.Array], targets: jax.Array, scale: float) -> jax.Array:
   """Multi-token prediction's loss: scale x the mean over the modules of each one's mean
   cross-entropy. Module k's logits [B, T, V] predict targets [B, T] rolled k to the left
-  (model/gpt.py `mtp_logits`); its last k positions have no such token and are left out."""
+  (model/gpt.py `mtp_logits`); the sequence's last k positions have no such token and are
+  left out. On a context rank's slab the mean is over the whole sequences' positions, so
+  that the slabs' losses sum to it (parallelism/context.py `shifted`)."""
   T, total = targets.shape[-1], jnp.zeros((), jnp.float32)
   for k, module_logits in enumerate(logits, start=1):
-    labels = jnp.roll(targets, -k, axis=-1)
+    labels, valid, counted = context.shifted(targets, k)
     per_token = optax.softmax_cross_entropy_with_integer_labels(module_logits, labels)
-    valid = jnp.arange(T) < T - k
-    total += jnp.where(valid, per_token, 0).sum() / (valid.sum() * (per_token.size // T))
+    total += jnp.where(valid, per_token, 0).sum() / (counted * (per_token.size // T))
   return scale * total / len(logits)
 
 
