@@ -240,7 +240,7 @@ def gathered_dispatch(h: jax.Array, slot: jax.Array, experts: int, capacity_slot
   """The all-gather dispatch (model.moe_dispatch=allgather): h [B, T, D] and slot [B, T, k]
   split over the batch -> the buffer [B, E, C, D] split over `expert` along E, each rank
   filling its own experts' slots from its expert group's tokens, all-gathered."""
-  B, T, D = h.shape
+  D = h.shape[-1]
 
   def local(h, slot):  # [b, T, D], [b, T, k] -> [b EP, E / EP, C, D]
     local_experts = experts // jax.lax.axis_size(EXPERT)
