@@ -115,15 +115,11 @@ GATHERED = dataclasses.replace(MODEL, moe_dispatch="allgather")
   [
     (MeshConfig(data=2, expert=2, tensor=2), MTP_MODEL, False),
     (MeshConfig(data=2, expert=2, tensor=2), GQA_MODEL, True),
-    # Latent attention's rotary dims at the tokens' true positions, the balance loss over
-    # whole sequences (model/moe.py `balance_loss`), the MTP module's targets.
-    (MeshConfig(data=2, expert=2, context=2, tensor=1), DROPLESS, False),
     (MeshConfig(data=2, expert=2, tensor=2), GATHERED, False),
   ],
   ids=[
     "data2-expert2-tensor2-mtp",
     "data2-expert2-tensor2-sequence-parallel",
-    "data2-expert2-context2-dropless",
     "data2-expert2-tensor2-allgather",
   ],
 )
@@ -692,10 +688,12 @@ def test_pipelined_moe_step_matches_one_device():
 
 def test_context_parallel_moe_inside_the_pipeline_matches_one_device():
   """Each context rank's slab through the 1F1B pipeline (expert 2 x context 2 x pipeline
-  2, dropless, the all-gather dispatch): the balance loss's counts summed over the slabs
-  inside the pipeline's loops, the loads summed with the gradients, the dispatch's
-  shard_maps under the slabs' and ranks' vmaps; the one-device losses, loads and
-  parameters (tolerances as above)."""
+  2, dropless, the all-gather dispatch, two multi-token prediction modules): latent
+  attention's rotary dims at the tokens' true positions, the balance loss's counts summed
+  over the slabs inside the pipeline's loops (model/moe.py `balance_loss`), the loads
+  summed with the gradients, the MTP modules' targets read across the slabs, the
+  dispatch's shard_maps under the slabs' and ranks' vmaps; the one-device losses, loads
+  and parameters (tolerances as above)."""
   routed = 2
   model = dataclasses.replace(DROPLESS, num_layers=1 + routed, moe_dispatch="allgather")
   program = _pipelined(model, MeshConfig(data=1, expert=2, context=2, pipeline=2), 2)
