@@ -29,7 +29,7 @@ from model.attention import attention
 from model.config import ModelConfig
 from model.norms import norm
 from parallelism import context, rules, sequence
-from parallelism.rules import constrain
+from parallelism.rules import constrain, on_wire
 
 SAVED_NAMES = ("layer_input", "mid_residual", "qkv", "attention", "fc1")
 _REMAT = {
@@ -306,12 +306,9 @@ def _grouped_qkv(cfg: ModelConfig, h: jax.Array, p: dict, tensor_parallel, biase
 
 
 def _gathered(x: jax.Array, axes: tuple) -> jax.Array:
-  """x resharded to axes. XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters,
-  which the transpose of this all-gather becomes, so on CPU meshes x crosses in float32
-  (as parallelism/sequence.py's collectives do); GPU targets keep the compute dtype."""
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  wire = jnp.float32 if device is not None and device.platform == "cpu" else x.dtype
-  return constrain(x.astype(wire), axes).astype(x.dtype)
+  """x resharded to axes, across as rules.on_wire says: the transpose of this all-gather
+  is a reduce-scatter."""
+  return constrain(on_wire(x), axes).astype(x.dtype)
 
 
 def _kv_heads_resolved(cfg: ModelConfig, axes: tuple) -> tuple:

@@ -76,7 +76,7 @@ from errors import UserInputError
 from model import block_scaled
 from model.config import ModelConfig
 from parallelism import context, pipeline
-from parallelism.rules import constrain, spec
+from parallelism.rules import constrain, on_wire, spec
 
 # The combine all-to-all's output, by name for the remat policies (model/gpt.py). Saved
 # in place of the experts' output it is made of (the same bytes), the backward pass reads
@@ -258,18 +258,13 @@ def scattered_combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Ar
   gates [B, T, k] split over the batch -> [B, T, D] likewise: each rank weighs its own
   experts' outputs for its expert group's tokens, and the partial sums are
   reduce-scattered over `expert` back to the batch's split."""
-  mesh = jax.sharding.get_abstract_mesh()
-  # XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters: float32 on CPU meshes
-  # (as parallelism/context.py).
-  cpu = mesh.abstract_device is not None and mesh.abstract_device.platform == "cpu"
 
   def local(y, slot, gates):  # [b EP, E / EP, C, D], [b, T, k] x 2 -> [b, T, D]
     b, local_experts, capacity_slots, D = y.shape
     slots = _group_slots(slot, local_experts * capacity_slots)
     group_gates = jax.lax.all_gather(gates, EXPERT, axis=0, tiled=True)
     partial = combine(y.reshape(b, -1, D), slots, group_gates)
-    wire = jnp.float32 if cpu else partial.dtype
-    summed = jax.lax.psum_scatter(partial.astype(wire), EXPERT, scatter_dimension=0, tiled=True)
+    summed = jax.lax.psum_scatter(on_wire(partial), EXPERT, scatter_dimension=0, tiled=True)
     return summed.astype(y.dtype)
 
   batch = ("batch", None, None)

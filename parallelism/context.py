@@ -156,15 +156,9 @@ def attention(
     rules.spec(rules.resolve(axes, x.shape, mesh.shape)) for axes, x in ((q_axes, q), (kv_axes, k))
   )
   H, G = q.shape[2], k.shape[2]
-  # XLA:CPU (jax 0.10.2) aborts compiling bfloat16 reduce-scatters, which the gather's
-  # transpose is, so on CPU meshes K/V cross in float32 (as sequence.py's collectives do).
-  device = mesh.abstract_device
-  wire = jnp.float32 if device is not None and device.platform == "cpu" else None
 
-  def gathered(x):
-    return jax.lax.all_gather(x.astype(wire or x.dtype), CONTEXT, axis=1, tiled=True).astype(
-      x.dtype
-    )
+  def gathered(x):  # its transpose a reduce-scatter: across as rules.on_wire says
+    return jax.lax.all_gather(rules.on_wire(x), CONTEXT, axis=1, tiled=True).astype(x.dtype)
 
   def own_kv_head(x, local_heads):
     """x [b, t, G, K], every K/V head -> [b, t, 1, K], the one this rank's `local_heads`

@@ -316,14 +316,14 @@ def _taker(rows: int) -> Callable[[int], Callable]:
   return make
 
 
-def _scatterer(scatter: int, context: bool, wire) -> Callable[[int], Callable]:
+def _scatterer(scatter: int, context: bool) -> Callable[[int], Callable]:
   """part, reduced, first -> reduced with the rows `part` (`_taker`'s) reduce-scattered over
   `data` along dimension `scatter` of [P, V C, ...] (and summed over `context`) in place."""
 
   def make(offset):
     def reduce(part, reduced, first):
       summed = jax.lax.psum_scatter(
-        part.astype(wire or part.dtype), DATA, scatter_dimension=offset + scatter, tiled=True
+        rules.on_wire(part), DATA, scatter_dimension=offset + scatter, tiled=True
       )
       if context:
         summed = jax.lax.psum(summed, CONTEXT)
@@ -368,11 +368,8 @@ def _scatter_rows(parts: dict, reduced: dict, dims: dict, specs: dict, first) ->
   """`reduced` with each weight's rows `parts` (`_take_rows`) reduce-scattered into place."""
   mesh = jax.sharding.get_abstract_mesh()
   context = mesh.shape.get(CONTEXT, 1) > 1
-  # XLA:CPU (jax 0.10.2) cannot compile a bfloat16 reduce-scatter (parallelism/sequence.py):
-  # on CPU meshes the rows travel as float32.
-  device = mesh.abstract_device
-  wire = jnp.float32 if device is not None and device.platform == "cpu" else None
-  scatter = {n: _past_replicas(_scatterer(dims[n] + 1, context, wire)) for n in parts}
+  # The rows cross as rules.on_wire says (float32 on CPU meshes).
+  scatter = {n: _past_replicas(_scatterer(dims[n] + 1, context)) for n in parts}
   return _on_blocks(
     lambda p, r, first: {n: scatter[n](p[n], r[n], first) for n in p},
     specs,

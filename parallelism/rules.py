@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
@@ -119,6 +120,15 @@ def vmapped(*mesh_axes: str) -> Iterator[None]:
 
 def vmapped_axes() -> frozenset[str]:
   return _VMAPPED.get()
+
+
+def on_wire(x: jax.Array) -> jax.Array:
+  """x as a reduce-scatter (or an all-gather, whose transpose is one) carries it on the
+  current mesh: float32 on CPU meshes, where XLA:CPU (jax 0.10.2) aborts compiling
+  bfloat16 reduce-scatters ("Invalid binary instruction opcode copy"); unchanged on GPU
+  targets, which keep the compute dtype."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return x.astype(jnp.float32) if device is not None and device.platform == "cpu" else x
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

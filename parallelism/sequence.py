@@ -157,12 +157,7 @@ def matmul(
   if mesh.empty:
     return fn(spec, x, w)
 
-  # XLA:CPU (jax 0.10.2) aborts compiling steps with bfloat16 reduce-scatters ("Invalid
-  # binary instruction opcode copy"), so on CPU meshes the collectives carry float32; each
-  # is the other's transpose, so both are cast. GPU targets keep the compute dtype.
-  device = mesh.abstract_device
-  wire = jnp.float32 if device is not None and device.platform == "cpu" else None
-
+  # Each collective is the other's transpose: both cross as rules.on_wire says.
   entry, exit_ = x_axes[1] == SEQUENCE, out_axes[1] == SEQUENCE
   # The logical axes of the tensor split along the sequence: the input at an entry, the
   # output at an exit (a matmul is one or the other); its gradient crosses the other way.
@@ -170,15 +165,13 @@ def matmul(
 
   def all_gather(x):
     def gather(x):
-      return jax.lax.all_gather(x.astype(wire or x.dtype), TENSOR, axis=1, tiled=True)
+      return jax.lax.all_gather(rules.on_wire(x), TENSOR, axis=1, tiled=True)
 
     return _on_own_shards(gather, x, sharded_axes, automatic)(x).astype(x.dtype)
 
   def reduce_scatter(y):
     def scatter(y):
-      return jax.lax.psum_scatter(
-        y.astype(wire or y.dtype), TENSOR, scatter_dimension=1, tiled=True
-      )
+      return jax.lax.psum_scatter(rules.on_wire(y), TENSOR, scatter_dimension=1, tiled=True)
 
     return _on_own_shards(scatter, y, sharded_axes, automatic)(y).astype(y.dtype)
 
