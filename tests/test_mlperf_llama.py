@@ -1,8 +1,8 @@
 """The MLPerf Llama 3.1 405B benchmark as data: the RCP-normalized time-to-train arithmetic,
 the reference convergence chosen as MLPerf's RCP checker chooses it, the rounds' evaluation
 schedules, the learning-rate rule and the published configurations by GPU count, and
-the published layout compiled deviceless, at test size and as Eos ran 405B (one
-compile, about 16 s on 2 cores; benchmarks/mlperf.py times both calibration points).
+the published layout compiled deviceless at test size (benchmarks/mlperf.py compiles
+405B at both calibration points and prints whether each fits).
 Every figure here is Python arithmetic on the published numbers or the compiled HLO;
 pytest.approx's default (1e-6 relative) absorbs only float rounding where a formula is
 written in another order than the code's.
@@ -11,7 +11,6 @@ written in another order than the code's.
 import dataclasses
 
 import pytest
-from projected import projected
 
 import experiments
 from errors import UserInputError
@@ -229,13 +228,15 @@ _CUDA, _WHY = targets.cuda_available()
 @pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
 def test_the_published_layout_compiles_for_h100_with_masked_cudnn_attention():
   """The benchmark's program at test size on 16 H100 (deviceless): context 2 x tensor 2
-  with sequence parallelism, a 1F1B pipeline 2, FP8 with delayed scaling, cuDNN attention.
+  with sequence parallelism, a 1F1B pipeline 2 whose 3 layers leave a padding row (as
+  405B's 126 do in Eos's 8 x 8 chunks), FP8 with delayed scaling, cuDNN attention.
   Each rank's two query chunks run one masked cuDNN call each: the early chunk against
   the first half of the sequence, the late one against all of it."""
   T, CP, TP = 256, 2, 2
   model = dataclasses.replace(
     mlperf.MODEL,
-    **{f: getattr(preset("llama3-tiny"), f) for f in ("num_layers", "d_model", "num_heads")},
+    **{f: getattr(preset("llama3-tiny"), f) for f in ("d_model", "num_heads")},
+    num_layers=3,
     head_dim=16,
     num_kv_heads=2,
     # SwiGLU's gate and up kernels 2 x 64 wide a tensor rank: the GEMM fusions pad a
@@ -279,26 +280,3 @@ def test_the_published_layout_compiles_for_h100_with_masked_cudnn_attention():
   )
   counted = hlo.dot_flops(compiled.program) * reduced.devices
   assert counted == pytest.approx(expected), (counted, expected, exp.model.remat)
-
-
-@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
-def test_405b_at_the_published_eos_layout_compiles_fits_and_counts_the_formulas_flops():
-  """Llama 3.1 405B as Eos ran it (8,192 H100: TP 8, CP 2, PP 8 x VS 8, FP8, elementwise
-  remat), compiled deviceless from abstract arrays on the reduced mesh: it fits in 85 GB
-  as the published run does, and its matmul FLOPs are the formula's for this layout."""
-  exp = experiments.at_target(experiments.load("mlperf_llama31_405b"), 8192, "h100")
-  exp = dataclasses.replace(exp, latency_profile=False)  # one compile, not two
-  record = projected(exp, "h100", 8192)
-  assert record["compile_target"] == "cuda" and record["fits"]
-  assert 40 < record["memory_per_gpu_gb"] < record["hbm_capacity_gb"]
-  P, V = exp.mesh.pipeline, exp.train.virtual_stages
-  M = record["micro_batches"]
-  expected = flops.matmul_flops_per_step(
-    exp.model,
-    exp.train.global_batch,
-    context_ranks=exp.mesh.context,
-    layer_rows=pipeline.stack_rows(exp.model.num_layers, P, V),
-    layer_passes=(M * V + P - 1) / (M * V),
-  )
-  # Whole multiply-adds counted two ways: float rounding only.
-  assert record["hlo_matmul_flops_per_step"] == pytest.approx(expected)

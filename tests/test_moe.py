@@ -106,22 +106,19 @@ MTP_MODEL = dataclasses.replace(MODEL, mtp_layers=1)
 # is the one device's. With two multi-token prediction modules, whose shifted targets cross
 # the context ranks' slabs (parallelism/context.py `shifted`).
 DROPLESS = dataclasses.replace(MODEL, capacity_factor=0.0, mtp_layers=2)
-# The all-gather dispatch (model/moe.py `gathered_dispatch`): the same routing and drops.
-GATHERED = dataclasses.replace(MODEL, moe_dispatch="allgather")
+# The all-gather dispatch (model/moe.py `gathered_dispatch`): the same routing and drops,
+# here with the multi-token prediction module's routed block too. (The all-to-all
+# dispatch's sharded case is the sequence-parallel one.)
+GATHERED_MTP = dataclasses.replace(MTP_MODEL, moe_dispatch="allgather")
 
 
 @pytest.mark.parametrize(
   "mesh_cfg, model, sequence_parallel",
   [
-    (MeshConfig(data=2, expert=2, tensor=2), MTP_MODEL, False),
+    (MeshConfig(data=2, expert=2, tensor=2), GATHERED_MTP, False),
     (MeshConfig(data=2, expert=2, tensor=2), GQA_MODEL, True),
-    (MeshConfig(data=2, expert=2, tensor=2), GATHERED, False),
   ],
-  ids=[
-    "data2-expert2-tensor2-mtp",
-    "data2-expert2-tensor2-sequence-parallel",
-    "data2-expert2-tensor2-allgather",
-  ],
+  ids=["data2-expert2-tensor2-mtp-allgather", "data2-expert2-tensor2-sequence-parallel"],
 )
 def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel):
   devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.tensor * mesh_cfg.context
@@ -666,24 +663,41 @@ def _assert_matches_one_device(program, model, compiled, virtual_stages: int, ro
 
 
 def test_pipelined_moe_step_matches_one_device():
-  """The dense first layer before the pipeline, the routed ones in it (1F1B), the
-  multi-token prediction module with the loss, on 2 replicas x expert 2 x pipeline 2: the
-  same losses, loads and parameters as one device.
-  3 routed layers in 2 chunks of 2 slots leave one padding row, skipped. The balance loss's
+  """The dense first layer before the pipeline, the routed ones in it (1F1B, 3 chunks a
+  rank), the multi-token prediction module with the loss, on 2 replicas x expert 2 x
+  pipeline 2 with the optimizer split over `data` (train.overlap_grad_reduce): the same
+  losses, loads and parameters as one device.
+  11 routed layers in 6 chunks of 2 slots leave one padding row, skipped. The balance loss's
   gradient is scaled by 1 / M and the padding row's and idle trips' loads dropped, or they
-  would differ. The routing's top-k stays on each rank: jax.lax.top_k under the 1F1B ranks'
-  vmap is partitioned by gathering the scores of every data, expert and pipeline rank
-  (DeepSeek-V3 on 512 GB200: 15,408 all-gathers of 1 GiB a step), moe.top_k is not."""
-  routed = 3
+  would differ.
+  The layer gradients, the experts' own and those every expert rank shares, are
+  reduce-scattered over `data` in the 1F1B drain's reducing loop (2 iterations with 3
+  chunks a rank). The router biases' entries (the loads) stay out of the drain: their
+  sums would round in bfloat16. Without the drain for `expert` meshes there is no
+  reducing loop.
+  The routing's top-k stays on each rank: jax.lax.top_k under the 1F1B ranks' vmap is
+  partitioned by gathering the scores of every data, expert and pipeline rank (DeepSeek-V3
+  on 512 GB200: 15,408 all-gathers of 1 GiB a step), moe.top_k is not."""
+  routed = 11
   model = dataclasses.replace(MTP_MODEL, num_layers=1 + routed)
-  program = _pipelined(model, MeshConfig(data=2, expert=2, pipeline=2), 1)
+  program = _pipelined(
+    model,
+    MeshConfig(data=2, expert=2, pipeline=2),
+    1,
+    virtual_stages=3,
+    shard_optimizer=True,
+    overlap_grad_reduce=True,
+  )
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
+  text = compiled.as_text()
   gather = re.compile(r"all-gather(-start)?\(")
   in_routing = re.compile(r'op_name="[^"]*/(top_k|sort)"')
-  lines = compiled.as_text().splitlines()
-  routing = [line for line in lines if gather.search(line) and in_routing.search(line)]
+  routing = [line for line in text.splitlines() if gather.search(line) and in_routing.search(line)]
   assert not routing, routing[0]
-  _assert_matches_one_device(program, model, compiled, 1, routed)
+  (loop,) = step_loops.drain_reduce_loops(hlo.analyze(text))
+  scatters = [c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter"]
+  assert scatters, "no reduce-scatter in the drain's reducing loop"
+  _assert_matches_one_device(program, model, compiled, 3, routed)
 
 
 def test_context_parallel_moe_inside_the_pipeline_matches_one_device():
@@ -699,31 +713,6 @@ def test_context_parallel_moe_inside_the_pipeline_matches_one_device():
   program = _pipelined(model, MeshConfig(data=1, expert=2, context=2, pipeline=2), 2)
   compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
   _assert_matches_one_device(program, model, compiled, 1, routed)
-
-
-def test_pipelined_moe_gradients_reduced_in_the_drain_match_one_device():
-  """train.overlap_grad_reduce on an `expert` mesh (data 2 x expert 2 x pipeline 2, 3
-  chunks a rank, so that the reducing loop runs 2 iterations): the layer gradients, the
-  experts' own and those every expert rank shares, are reduce-scattered over `data` in the
-  1F1B drain's reducing loop, and the step gives the one-device losses, loads and
-  parameters (tolerances as above). The router biases' entries (the loads) stay out of the
-  drain: their sums would round in bfloat16. Without the drain for `expert` meshes there
-  is no reducing loop."""
-  routed = 6
-  model = dataclasses.replace(MODEL, num_layers=1 + routed)
-  program = _pipelined(
-    model,
-    MeshConfig(data=2, expert=2, pipeline=2),
-    1,
-    virtual_stages=3,
-    shard_optimizer=True,
-    overlap_grad_reduce=True,
-  )
-  compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
-  (loop,) = step_loops.drain_reduce_loops(hlo.analyze(compiled.as_text()))
-  scatters = [c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter"]
-  assert scatters, "no reduce-scatter in the drain's reducing loop"
-  _assert_matches_one_device(program, model, compiled, 3, routed)
 
 
 def test_lockstep_pipelined_moe_step_matches_one_device():
