@@ -144,12 +144,17 @@ def _experiment(run: published.PublishedRun) -> ExperimentConfig:
       f"micro-batch {run.micro_batch}, GBS {run.global_batch:,} (published "
       f"{run.score_min} min, {run.steps} steps)"
     ),
-    model=dataclasses.replace(MODEL, remat=remat, block_scaled_head=run.mxfp8_head),
-    # EP x TP = 64 GPUs of a 72-GPU rack, as published: the expert group inside one
-    # NVLink domain without dividing it.
+    # Whole experts split over expert x tensor ranks (model.experts_over_tensor), each
+    # tensor rank dispatching its share of the slots: Megatron's expert tensor parallel
+    # size 1, as Megatron-Bridge's DeepSeek-V3 recipes set it beside TP 2 (NVIDIA's
+    # MLPerf configs are built on them). EP 32 = mesh.expert 16 x tensor 2 at GB200, so
+    # that the expert group and its tensor pairs are 32 GPUs of one 72-GPU rack.
+    model=dataclasses.replace(
+      MODEL, remat=remat, block_scaled_head=run.mxfp8_head, experts_over_tensor=True
+    ),
     mesh=MeshConfig(
       data=-1,
-      expert=run.expert,
+      expert=run.expert // run.tensor,
       tensor=run.tensor,
       pipeline=run.pipeline,
       context=run.context,

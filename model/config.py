@@ -119,6 +119,11 @@ class ModelConfig:
   # Token dispatch and combine over `expert` (model/moe.py): capacity buffers moved by
   # all-to-alls, or the expert group's tokens all-gathered and outputs reduce-scattered.
   moe_dispatch: str = "capacity"  # one of MOE_DISPATCH
+  # The routed experts kept whole and split over `expert` x `tensor`, each tensor rank
+  # dispatching the slots of its 1 / tensor of the experts (Megatron's
+  # expert_tensor_parallel_size 1); False: each expert's width split over `tensor` like
+  # the MLP's, every tensor rank dispatching all of a micro-batch's slots (model/moe.py).
+  experts_over_tensor: bool = False
   # Multi-head latent attention (model/mla.py; DeepSeek-V2/V3) when kv_lora_rank > 0: keys
   # and values from a latent of this rank, queries from one of q_lora_rank (0: a plain
   # projection), rope_head_dim rotary dims beside head_dim, values of v_head_dim (0: head_dim).
@@ -353,6 +358,11 @@ class ModelConfig:
         raise UserInputError(
           f"model.{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}"
         )
+    if self.experts_over_tensor and self.moe_dispatch != "capacity":
+      raise UserInputError(
+        f"model.experts_over_tensor runs with model.moe_dispatch=capacity, got "
+        f"{self.moe_dispatch!r}"
+      )
     if not 1 <= self.experts_per_token <= self.num_experts:
       raise UserInputError(
         f"model.experts_per_token = {self.experts_per_token} must be between 1 and "

@@ -48,6 +48,16 @@ all-gather crosses InfiniBand once per node where an all-to-all crosses it per G
 run as explicit collectives in shard_maps (the partitioner, left to place them, gathered
 whole index arrays and all-reduced the combine).
 
+Experts and `tensor`. By default each expert's width is split over `tensor` like the MLP's
+(Megatron's expert tensor parallel size = TP): every tensor rank dispatches and combines
+the whole micro-batch's buffer, and the experts' partial outputs are all-reduced over
+`tensor`. With model.experts_over_tensor the experts are whole, split over `tensor` x
+`expert` (tensor-major; expert tensor parallel size 1, as Megatron-Bridge's DeepSeek-V3
+recipes run TP 2): tensor rank i dispatches only the slots of its share i of the experts
+(`shared_dispatch`), the all-to-alls over `expert` move 1 / TP of the buffer, and each
+rank's combine of its share's outputs is a partial sum all-reduced over `tensor`
+(`shared_combine`), the same all-reduce as the width-split experts'.
+
 Grouped GEMMs as capacity-buffer einsums, not jax.lax.ragged_dot. jax 0.10.2 compiles
 ragged_dot for a CUDA target (deviceless, projection/aot_compile.py) as a dense dot over
 every group, the input masked per group: DeepSeek-V3's up-projection on one GPU of EP 32
@@ -114,11 +124,14 @@ def init_params(
   # whatever the parameters' type: DeepSeek-V3's steps of 1e-3 are below bfloat16's spacing
   # once a bias passes 0.25 (Megatron-Core keeps its expert bias in float32 likewise).
   layers.router_bias = nnx.Param(jnp.zeros((L, E), jnp.float32), axes=(stack, None))
+  experts, width = ("expert", "expert_mlp")
+  if cfg.experts_over_tensor:
+    experts, width = ("expert_by_tensor", None)
   layers.expert_fc1 = nnx.Param(
-    std * normal((L, E, D, 2, F)), axes=(stack, "expert", "embed", "gate_up", "expert_mlp")
+    std * normal((L, E, D, 2, F)), axes=(stack, experts, "embed", "gate_up", width)
   )
   layers.expert_fc2 = nnx.Param(
-    out_std * normal((L, E, F, D)), axes=(stack, "expert", "expert_mlp", "embed")
+    out_std * normal((L, E, F, D)), axes=(stack, experts, width, "embed")
   )
 
 
@@ -132,6 +145,13 @@ def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int]) -> None:
         f"mesh.expert = {ways} needs a mixture of experts (model.num_experts > 0)"
       )
     return
+  if cfg.experts_over_tensor:
+    tensor = mesh_shape.get("tensor", 1)
+    if cfg.num_experts % (ways * tensor):
+      raise UserInputError(
+        f"model.num_experts = {cfg.num_experts} does not divide over mesh.expert = {ways} "
+        f"x mesh.tensor = {tensor} (model.experts_over_tensor)"
+      )
   if cfg.num_experts % ways:
     raise UserInputError(
       f"model.num_experts = {cfg.num_experts} does not divide over mesh.expert = {ways}"
@@ -210,6 +230,48 @@ def dispatch(
   token_of_slot = constrain(token_of_slot, batch_axes)
   padded = constrain(jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1), (*batch_axes, None))
   return jnp.take_along_axis(padded, token_of_slot[:, :num_slots, None], axis=1)
+
+
+def tensor_ranks() -> int:
+  """`tensor` ranks of the current mesh (1 outside a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty or "tensor" not in mesh.shape else mesh.shape["tensor"]
+
+
+def _share_slots(slot: jax.Array, share_slots: int) -> jax.Array:
+  """slot [b, T, k] -> indices into this tensor rank's share of share_slots slots, or
+  share_slots for an assignment to another share's experts or dropped."""
+  local = slot - jax.lax.axis_index("tensor") * share_slots
+  return jnp.where((local >= 0) & (local < share_slots), local, share_slots)
+
+
+def shared_dispatch(x: jax.Array, slot: jax.Array, num_slots: int, shares: int) -> jax.Array:
+  """`dispatch` with the slots in `shares` contiguous shares, share i on tensor rank i
+  (model.experts_over_tensor): x [B, T, D] (whole on every tensor rank) -> [B, shares,
+  S / shares, D]; each tensor rank gathers only its share's tokens."""
+
+  def local(x, slot):  # [b, T, D], [b, T, k] -> [b, 1, S / shares, D]
+    per = num_slots // shares
+    return dispatch(x, _share_slots(slot, per), per, (None, None))[:, None]
+
+  batch = ("batch", None, None)
+  return _by_hand(local, (batch, batch), ("batch", "tensor_share", None, None))(x, slot)
+
+
+def shared_combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
+  """`combine` for y [B, shares, S / shares, D] with share i on tensor rank i: each rank
+  weighs its own experts' outputs (assignments to other shares' experts read a zero
+  row), and the partial sums are all-reduced over `tensor` (as the partial sums of
+  experts split by width are)."""
+
+  def local(y, slot, gates):  # [b, 1, S / shares, D], [b, T, k] x 2 -> [b, T, D]
+    partial = combine(y[:, 0], _share_slots(slot, y.shape[2]), gates)
+    return jax.lax.psum(partial, "tensor")
+
+  batch = ("batch", None, None)
+  return _by_hand(local, (("batch", "tensor_share", None, None), batch, batch), batch)(
+    y, slot, gates
+  )
 
 
 def _by_hand(fn, in_axes: tuple, out_axes: tuple):
@@ -338,10 +400,22 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   experts, gates, scores = route(cfg, logits, p[BIAS])
   slot, counts = slots(experts, E, C)
   dropped = (slot == E * C).sum()
-  expert_axes = ("expert_batch", "act_expert", None, None)
+  # Shares of the experts, one a tensor rank (model.experts_over_tensor); with one tensor
+  # rank that is the plain capacity dispatch.
+  shares = tensor_ranks() if cfg.experts_over_tensor else 1
+  experts_on = "act_expert_by_tensor" if cfg.experts_over_tensor else "act_expert"
+  expert_axes = ("expert_batch", experts_on, None, None)
   gathered = cfg.moe_dispatch == "allgather" and expert_ranks() > 1
   if gathered:
     buffer = gathered_dispatch(h, slot, E, C)
+  elif shares > 1:
+    buffer = shared_dispatch(h, slot, E * C, shares)  # [B, shares, E / shares x C, D]
+    # Batch-split -> expert-split within each share: the dispatch all-to-all over `expert`.
+    buffer = constrain(
+      buffer.reshape(B, shares, E // shares, C, D),
+      ("expert_batch", "tensor_share", "act_expert", None, None),
+    )
+    buffer = buffer.reshape(B, E, C, D)
   else:
     buffer = dispatch(h, slot, E * C).reshape(B, E, C, D)
   # Batch-split -> expert-split: the dispatch all-to-all (capacity).
@@ -349,11 +423,17 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   # One GEMM an expert (the expert axis a batch axis), block-scaled with block scaling.
   matmul = block_scaled.einsum_for(cfg.block_scaling)
   up = matmul("becd,edgf->becgf", buffer, p["expert_fc1"])
-  up = constrain(up, ("expert_batch", "act_expert", None, None, "act_mlp"))
+  width = None if cfg.experts_over_tensor else "act_mlp"
+  up = constrain(up, (*expert_axes, None, width))
   act = jax.nn.silu(up[..., 0, :]) * up[..., 1, :]  # [B, E, C, F]
   out = constrain(matmul("becf,efd->becd", act, p["expert_fc2"]), expert_axes)
   if gathered:
     y = checkpoint_name(scattered_combine(out, slot, gates), RETURNED_NAME)
+  elif shares > 1:
+    # Expert-split -> batch-split within each share: the combine all-to-all over `expert`.
+    out = out.reshape(B, shares, E // shares * C, D)
+    out = checkpoint_name(constrain(out, ("batch", "tensor_share", None, None)), RETURNED_NAME)
+    y = shared_combine(out, slot, gates)
   else:
     # Expert-split -> batch-split: the combine all-to-all.
     out = checkpoint_name(constrain(out, ("batch", None, None, None)), RETURNED_NAME)

@@ -35,6 +35,9 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
   ("lora_rank", None),
   ("expert", "expert"),  # routed experts split over expert-parallel ranks (model/moe.py)
   ("expert_mlp", "tensor"),  # an expert's hidden width, tensor parallel like the MLP's
+  # model.experts_over_tensor: whole experts split over both, tensor-major, so that a
+  # tensor rank's experts are one contiguous share (`tensor_share`) of them.
+  ("expert_by_tensor", ("tensor", "expert")),
   # Activations.
   # Expert-parallel ranks are data-parallel outside the routed experts.
   ("batch", ("data", "fsdp", "expert")),
@@ -42,6 +45,10 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
   # sequences over the other data-parallel axes (the all-to-all moves `expert` between them).
   ("expert_batch", ("data", "fsdp")),
   ("act_expert", "expert"),
+  ("act_expert_by_tensor", ("tensor", "expert")),
+  # One entry per tensor rank: the share of the experts whose slots that rank dispatches
+  # and combines (model.experts_over_tensor).
+  ("tensor_share", "tensor"),
   # The sequence inside tensor-parallel regions: split over `context` only (context
   # parallelism, parallelism/context.py; each rank's tokens in load-balanced order).
   ("length", "context"),

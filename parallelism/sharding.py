@@ -94,6 +94,7 @@ _FIELD_OF_AXIS = {
   "stage": "model.num_layers",
   "position": "model.seq_len",
   "expert": "model.num_experts",
+  "expert_by_tensor": "model.num_experts",
   "expert_mlp": "model.moe_ffn_dim",
 }
 

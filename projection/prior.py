@@ -158,12 +158,14 @@ def expert_all_to_all_s(exp, hw: Hardware, reduced: layout.ReducedMesh, tokens: 
   capacity buffer ([tokens, E x C / T, d_model] in the compute dtype, model/moe.py) to the
   experts and back, forward and backward, and again when full remat recomputes the layer;
   each all-to-all is priced by projection/collectives.py on the NVLink domains the
-  target's expert groups span (projection/layout.py; the slowest placement)."""
+  target's expert groups span (projection/layout.py; the slowest placement). With
+  model.experts_over_tensor a tensor rank's buffer holds its share of the experts."""
   model, sizes = exp.model, reduced.target.sizes
   ep = sizes.get("expert", 1)
   if ep == 1 or not model.moe:
     return 0.0
-  rows = moe.capacity(model, model.seq_len) * model.num_experts / model.seq_len
+  shares = sizes.get("tensor", 1) if model.experts_over_tensor else 1
+  rows = moe.capacity(model, model.seq_len) * model.num_experts / model.seq_len / shares
   item = jax.numpy.dtype(model.compute_dtype).itemsize
   buffer = int(tokens * rows * model.d_model * item)
   seconds = max(

@@ -84,7 +84,9 @@ def test_published_layouts_are_variants_by_gpu_count():
   exp = experiments.load("mlperf_deepseek_v3_671b")
   gb200 = experiments.at_target(exp, 512, "gb200")
   gb300 = experiments.at_target(exp, 8192, "gb300")
-  assert (gb200.mesh.tensor, gb200.mesh.pipeline, gb200.mesh.expert) == (2, 4, 32)
+  # EP 32 = expert 16 x tensor 2 at GB200 (whole experts split over both).
+  assert (gb200.mesh.tensor, gb200.mesh.pipeline, gb200.mesh.expert) == (2, 4, 16)
+  assert gb200.model.experts_over_tensor and gb300.model.experts_over_tensor
   assert (gb300.mesh.tensor, gb300.mesh.pipeline, gb300.mesh.expert) == (1, 4, 32)
   assert (gb200.train.global_batch, gb300.train.global_batch) == (15_360, 16_384)
   assert gb200.train.virtual_stages == gb300.train.virtual_stages == 4
@@ -109,7 +111,7 @@ def test_the_hgx_layout_keeps_each_expert_group_inside_a_node():
 
 @pytest.mark.parametrize("hardware, gpus", [("gb200", 512), ("gb300", 8192)])
 def test_expert_groups_sit_inside_one_nvl72_rack(hardware, gpus):
-  # EP 32 x TP 2 (GB200) or EP 32 (GB300) inside one rack's 64 GPUs, as published. When
+  # EP 32 (expert 16 x TP 2 at GB200, 32 at GB300) inside one rack, as published. When
   # devices were numbered with pipeline the fastest node axis, a rack held the 4 pipeline
   # stages of a quarter (GB200) or half (GB300) of each expert group, and every dispatch
   # and combine all-to-all (one micro-batch's [256, 128, 7,168] bf16 buffer, 23,112 a step

@@ -110,6 +110,8 @@ DROPLESS = dataclasses.replace(MODEL, capacity_factor=0.0, mtp_layers=2)
 # here with the multi-token prediction module's routed block too. (The all-to-all
 # dispatch's sharded case is the sequence-parallel one.)
 GATHERED_MTP = dataclasses.replace(MTP_MODEL, moe_dispatch="allgather")
+# Whole experts split over `expert` x `tensor`, each tensor rank dispatching its share.
+OVER_TENSOR = dataclasses.replace(MODEL, experts_over_tensor=True)
 
 
 @pytest.mark.parametrize(
@@ -117,8 +119,13 @@ GATHERED_MTP = dataclasses.replace(MTP_MODEL, moe_dispatch="allgather")
   [
     (MeshConfig(data=2, expert=2, tensor=2), GATHERED_MTP, False),
     (MeshConfig(data=2, expert=2, tensor=2), GQA_MODEL, True),
+    (MeshConfig(data=2, expert=2, tensor=2), OVER_TENSOR, False),
   ],
-  ids=["data2-expert2-tensor2-mtp-allgather", "data2-expert2-tensor2-sequence-parallel"],
+  ids=[
+    "data2-expert2-tensor2-mtp-allgather",
+    "data2-expert2-tensor2-sequence-parallel",
+    "data2-expert2-tensor2-experts-over-tensor",
+  ],
 )
 def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel):
   devices = mesh_cfg.data * mesh_cfg.expert * mesh_cfg.tensor * mesh_cfg.context
@@ -126,10 +133,11 @@ def test_sharded_moe_step_matches_one_device(mesh_cfg, model, sequence_parallel)
     dataclasses.replace(model, sequence_parallel=sequence_parallel), mesh_cfg, devices
   )
   layers = program.abstract_state.params["layers"]
-  assert layers["expert_fc1"].sharding.spec[1] == "expert"
-  assert layers["expert_fc2"].sharding.spec[1] == "expert"
-  if mesh_cfg.tensor > 1:
-    assert layers["expert_fc1"].sharding.spec[4] == "tensor"
+  fc1, fc2 = layers["expert_fc1"].sharding.spec, layers["expert_fc2"].sharding.spec
+  if model.experts_over_tensor:  # whole experts, tensor-major
+    assert fc1[1] == fc2[1] == ("tensor", "expert") and fc1[4] is None and fc2[2] is None
+  else:
+    assert fc1[1] == fc2[1] == "expert" and fc1[4] == "tensor"
   text = program.lower(TRAIN.global_batch, model.seq_len).compile().as_text()
   if model.moe_dispatch == "allgather":
     # The expert group's tokens all-gathered and the partial outputs reduce-scattered over
@@ -586,6 +594,23 @@ def test_moe_experiment_selects_sizes():
     (["precision=nvfp4"], None),
     (["precision=fp8"], "model.fp8 = true"),
     (["model.mtp_layers=-1"], "model.mtp_layers and model.mtp_loss_scale"),
+    (
+      [
+        "model.experts_over_tensor=true",
+        "model.num_experts=6",
+        "model.router_groups=1",
+        "model.router_topk_groups=1",
+        "mesh.expert=2",
+        "mesh.tensor=4",
+        "mesh.data=1",
+        "mesh.devices_per_node=8",
+      ],
+      "model.num_experts = 6 does not divide over mesh.expert = 2 x mesh.tensor = 4",
+    ),
+    (
+      ["model.experts_over_tensor=true", "model.moe_dispatch=allgather"],
+      "model.experts_over_tensor runs with model.moe_dispatch=capacity",
+    ),
   ],
   ids=[
     "fits",
@@ -598,6 +623,8 @@ def test_moe_experiment_selects_sizes():
     "nvfp4",
     "fp8",
     "mtp-layers",
+    "experts-over-expert-x-tensor",
+    "experts-over-tensor-allgather",
   ],
 )
 def test_bad_moe_input_is_refused(assignments, message):
@@ -667,9 +694,8 @@ def test_pipelined_moe_step_matches_one_device():
   rank), the multi-token prediction module with the loss, on 2 replicas x expert 2 x
   pipeline 2 with the optimizer split over `data` (train.overlap_grad_reduce): the same
   losses, loads and parameters as one device.
-  11 routed layers in 6 chunks of 2 slots leave one padding row, skipped. The balance loss's
-  gradient is scaled by 1 / M and the padding row's and idle trips' loads dropped, or they
-  would differ.
+  The balance loss's gradient is scaled by 1 / M and the idle trips' loads dropped, or
+  they would differ (a padding row's: the lockstep test below).
   The layer gradients, the experts' own and those every expert rank shares, are
   reduce-scattered over `data` in the 1F1B drain's reducing loop (2 iterations with 3
   chunks a rank). The router biases' entries (the loads) stay out of the drain: their
@@ -678,7 +704,7 @@ def test_pipelined_moe_step_matches_one_device():
   The routing's top-k stays on each rank: jax.lax.top_k under the 1F1B ranks' vmap is
   partitioned by gathering the scores of every data, expert and pipeline rank (DeepSeek-V3
   on 512 GB200: 15,408 all-gathers of 1 GiB a step), moe.top_k is not."""
-  routed = 11
+  routed = 6
   model = dataclasses.replace(MTP_MODEL, num_layers=1 + routed)
   program = _pipelined(
     model,
@@ -721,9 +747,11 @@ def test_lockstep_pipelined_moe_step_matches_one_device():
   dense first layer before the loop and the multi-token prediction module with the loss:
   the one-device losses, loads and parameters (tolerances as above). Its idle trips
   compute on stale data: their loads and balance-loss gradients are weighted 0, and the
-  coefficient is over a pass's micro-batches. (The interleaved schedule runs the same
-  `run`, its chunk chosen by the trip; it matched one device too, outside the suite.)"""
-  routed = 2
+  coefficient is over a pass's micro-batches. 3 routed layers in 2 chunks of 2 slots
+  leave a padding row, skipped, its loads dropped. (The interleaved schedule runs the
+  same `run`, its chunk chosen by the trip; it matched one device too, outside the
+  suite.)"""
+  routed = 3
   model = dataclasses.replace(MTP_MODEL, num_layers=1 + routed)
   program = _pipelined(
     model, MeshConfig(data=2, expert=2, pipeline=2), 1, pipeline_schedule="gpipe", pipeline_passes=2
