@@ -111,12 +111,11 @@ def test_the_hgx_layout_keeps_each_expert_group_inside_a_node():
 
 @pytest.mark.parametrize("hardware, gpus", [("gb200", 512), ("gb300", 8192)])
 def test_expert_groups_sit_inside_one_nvl72_rack(hardware, gpus):
-  # EP 32 (expert 16 x TP 2 at GB200, 32 at GB300) inside one rack, as published. When
-  # devices were numbered with pipeline the fastest node axis, a rack held the 4 pipeline
-  # stages of a quarter (GB200) or half (GB300) of each expert group, and every dispatch
-  # and combine all-to-all (one micro-batch's [256, 128, 7,168] bf16 buffer, 23,112 a step
-  # at 512 GB200) crossed InfiniBand: 7.5 ms each on GB200 against 0.63 ms on NVLink,
-  # 173.9 of the step's 177.5 s of exposed expert communication.
+  # EP 32 (expert 16 x TP 2 at GB200, 32 at GB300) inside one rack, as published. With
+  # pipeline the fastest node axis, a rack would hold the pipeline stages of a part of
+  # each expert group, and every dispatch and combine all-to-all would cross InfiniBand
+  # (docs/moe.md: in the width-split layout, 7.5 ms each on GB200 against 0.63 ms on
+  # NVLink, 173.9 of the step's 177.5 s of exposed expert communication).
   exp = experiments.at_target(experiments.load("mlperf_deepseek_v3_671b"), gpus, hardware)
   hw = catalog.get(hardware)
   reduced = plan_target(exp, hw, gpus).reduced
