@@ -85,8 +85,9 @@ from jax.ad_checkpoint import checkpoint_name
 from errors import UserInputError
 from model import block_scaled
 from model.config import ModelConfig
-from parallelism import context, pipeline
+from parallelism import context, pipeline, rules
 from parallelism.rules import constrain, on_wire, spec
+from parallelism.sequence import TENSOR
 
 # The combine all-to-all's output, by name for the remat policies (model/gpt.py). Saved
 # in place of the experts' output it is made of (the same bytes), the backward pass reads
@@ -98,12 +99,6 @@ from parallelism.rules import constrain, on_wire, spec
 RETURNED_NAME = "moe_returned"
 
 EXPERT = "expert"  # the mesh axis the routed experts split over
-
-
-def expert_ranks() -> int:
-  """`expert` ranks of the current mesh (1 outside a mesh or without the axis)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty or EXPERT not in mesh.shape else mesh.shape[EXPERT]
 
 
 # The parameters a MoE layer adds to the stack (besides the shared experts' fc1/fc2).
@@ -146,7 +141,7 @@ def check_mesh(cfg: ModelConfig, mesh_shape: dict[str, int]) -> None:
       )
     return
   if cfg.experts_over_tensor:
-    tensor = mesh_shape.get("tensor", 1)
+    tensor = mesh_shape.get(TENSOR, 1)
     if cfg.num_experts % (ways * tensor):
       raise UserInputError(
         f"model.num_experts = {cfg.num_experts} does not divide over mesh.expert = {ways} "
@@ -232,17 +227,12 @@ def dispatch(
   return jnp.take_along_axis(padded, token_of_slot[:, :num_slots, None], axis=1)
 
 
-def tensor_ranks() -> int:
-  """`tensor` ranks of the current mesh (1 outside a mesh)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty or "tensor" not in mesh.shape else mesh.shape["tensor"]
-
-
-def _share_slots(slot: jax.Array, share_slots: int) -> jax.Array:
-  """slot [b, T, k] -> indices into this tensor rank's share of share_slots slots, or
-  share_slots for an assignment to another share's experts or dropped."""
-  local = slot - jax.lax.axis_index("tensor") * share_slots
-  return jnp.where((local >= 0) & (local < share_slots), local, share_slots)
+def _local_slots(slot: jax.Array, mesh_axis: str, local_slots: int) -> jax.Array:
+  """Slots (indices into all E x C) -> indices into this `mesh_axis` rank's local_slots
+  (rank r holds slots r x local_slots onward), or local_slots for an assignment to
+  another rank's experts or dropped. Inside a shard_map manual over mesh_axis."""
+  local = slot - jax.lax.axis_index(mesh_axis) * local_slots
+  return jnp.where((local >= 0) & (local < local_slots), local, local_slots)
 
 
 def shared_dispatch(x: jax.Array, slot: jax.Array, num_slots: int, shares: int) -> jax.Array:
@@ -252,7 +242,7 @@ def shared_dispatch(x: jax.Array, slot: jax.Array, num_slots: int, shares: int) 
 
   def local(x, slot):  # [b, T, D], [b, T, k] -> [b, 1, S / shares, D]
     per = num_slots // shares
-    return dispatch(x, _share_slots(slot, per), per, (None, None))[:, None]
+    return dispatch(x, _local_slots(slot, TENSOR, per), per, (None, None))[:, None]
 
   batch = ("batch", None, None)
   return _by_hand(local, (batch, batch), ("batch", "tensor_share", None, None))(x, slot)
@@ -265,8 +255,8 @@ def shared_combine(y: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array
   experts split by width are)."""
 
   def local(y, slot, gates):  # [b, 1, S / shares, D], [b, T, k] x 2 -> [b, T, D]
-    partial = combine(y[:, 0], _share_slots(slot, y.shape[2]), gates)
-    return jax.lax.psum(partial, "tensor")
+    partial = combine(y[:, 0], _local_slots(slot, TENSOR, y.shape[2]), gates)
+    return jax.lax.psum(partial, TENSOR)
 
   batch = ("batch", None, None)
   return _by_hand(local, (("batch", "tensor_share", None, None), batch, batch), batch)(
@@ -294,8 +284,7 @@ def _group_slots(slot: jax.Array, local_slots: int) -> jax.Array:
   `expert`), as indices into this rank's local_slots (E / EP experts' C each), or
   local_slots for an assignment to another rank's experts or dropped."""
   group = jax.lax.all_gather(slot, EXPERT, axis=0, tiled=True)
-  local = group - jax.lax.axis_index(EXPERT) * local_slots
-  return jnp.where((local >= 0) & (local < local_slots), local, local_slots)
+  return _local_slots(group, EXPERT, local_slots)
 
 
 def gathered_dispatch(h: jax.Array, slot: jax.Array, experts: int, capacity_slots: int):
@@ -402,10 +391,10 @@ def routed(cfg: ModelConfig, h: jax.Array, p: dict) -> tuple[jax.Array, jax.Arra
   dropped = (slot == E * C).sum()
   # Shares of the experts, one a tensor rank (model.experts_over_tensor); with one tensor
   # rank that is the plain capacity dispatch.
-  shares = tensor_ranks() if cfg.experts_over_tensor else 1
+  shares = rules.ranks(TENSOR) if cfg.experts_over_tensor else 1
   experts_on = "act_expert_by_tensor" if cfg.experts_over_tensor else "act_expert"
   expert_axes = ("expert_batch", experts_on, None, None)
-  gathered = cfg.moe_dispatch == "allgather" and expert_ranks() > 1
+  gathered = cfg.moe_dispatch == "allgather" and rules.ranks(EXPERT) > 1
   if gathered:
     buffer = gathered_dispatch(h, slot, E, C)
   elif shares > 1:

@@ -51,10 +51,7 @@ SLAB = "context_slab"
 
 def ranks() -> int:
   """Context-parallel ranks of the current mesh (1 outside a mesh or without the axis)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or CONTEXT not in mesh.shape:
-    return 1
-  return mesh.shape[CONTEXT]
+  return rules.ranks(CONTEXT)
 
 
 def order(seq_len: int, context_ranks: int) -> np.ndarray:
@@ -109,9 +106,9 @@ def permuted(tokens: jax.Array) -> jax.Array:
 
 def shifted(tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, int]:
   """tokens [..., T] in the program's token order -> (at each place the token k true
-  positions later [..., T], wrapping round past the end as a roll does, whether there is
-  one [T] bool, and how many
-  places of the whole sequence have one: its true length less k). Multi-token prediction's
+  positions later [..., T], wrapping round past the end as a roll does; whether there is
+  one [T] bool; how many places of the whole sequence have one: its true length less k).
+  Multi-token prediction's
   shifted targets (model/gpt.py, train/step.py). One rank: a roll. Split over the
   context ranks, a token k positions later may sit on another rank: on a slab the
   sequence's tokens are all-gathered over the slabs (int32, 4 bytes a token), put back

@@ -129,6 +129,12 @@ def vmapped_axes() -> frozenset[str]:
   return _VMAPPED.get()
 
 
+def ranks(mesh_axis: str) -> int:
+  """`mesh_axis` ranks of the current mesh (1 outside a mesh or without the axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty or mesh_axis not in mesh.shape else mesh.shape[mesh_axis]
+
+
 def on_wire(x: jax.Array) -> jax.Array:
   """x as a reduce-scatter (or an all-gather, whose transpose is one) carries it on the
   current mesh: float32 on CPU meshes, where XLA:CPU (jax 0.10.2) aborts compiling
