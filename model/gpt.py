@@ -83,6 +83,26 @@ def kernels(cfg: ModelConfig) -> tuple[str, ...]:
   return GROUPED_QUERY_KERNELS if cfg.grouped_query else KERNELS
 
 
+def cast_once_kernels(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
+  """Of a stack's weights (`shapes`: name -> [L, ...] shape), those whose matmuls read only
+  casts that `GPT.layer_params` makes once a step: FP8's E4M3 casts, or block scaling's
+  quantizations where the weight's shape splits into blocks (block_scaled.cacheable;
+  otherwise each matmul quantizes the weight itself)."""
+  if cfg.fp8:
+    return tuple(name for name in kernels(cfg) if name in shapes)
+  if cfg.block_scaling == "none":
+    return ()
+  names = dict.fromkeys((*kernels(cfg), *_LATENT_KERNELS, *_BATCH_AXES))
+  return tuple(
+    name
+    for name in names
+    if name in shapes
+    and block_scaled.cacheable(
+      shapes[name], _CONTRACTED_AXES.get(name, 1), cfg.block_scaling, _BATCH_AXES.get(name, 0)
+    )
+  )
+
+
 def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple, std: float, dtype) -> nnx.Param:
   value = std * jax.random.normal(key, shape, dtype) if std else jnp.zeros(shape, dtype)
   return nnx.Param(value, axes=axes)
@@ -471,16 +491,19 @@ class GPT(nnx.Module):
     kernel carrying its quantizations, made once a step (block_scaled.quantize_weights),
     where its shape allows (`cacheable`; otherwise each matmul quantizes it)."""
     fmt, params = self.cfg.block_scaling, dict(params)
-    for name in dict.fromkeys((*kernels(self.cfg), *_LATENT_KERNELS, *_BATCH_AXES)):
-      if name not in params:
-        continue
+    shapes = {n: a.shape for n, a in params.items() if hasattr(a, "shape")}  # not sub-stacks
+    for name in cast_once_kernels(self.cfg, shapes):
       contracted, batch = _CONTRACTED_AXES.get(name, 1), _BATCH_AXES.get(name, 0)
-      if not block_scaled.cacheable(params[name].shape, contracted, fmt, batch):
-        continue
-      w = block_scaled.quantize_weights(params[name], contracted, fmt, batch)
-      # Laid out like the kernel: gathered whole as it is (see the FP8 case above).
+      # A kernel stored split over `data` (train.shard_optimizer) is gathered whole in the
+      # compute dtype and quantized after, as Megatron's distributed optimizer gathers an
+      # MXFP8 model's parameters in bf16 and casts them in the copy out
+      # (megatron/core/distributed/param_and_grad_buffer.py): quantized shard by shard, a
+      # block could straddle two shards. The stored kernel stays as it is: the matmuls
+      # read only the quantizations, and the whole copy lives only until they are made.
       axes = getattr(layers, name).get_metadata()["axes"]
-      params[name] = w._replace(cast=tuple(constrain(c, axes) for c in w.cast))
+      whole = constrain(params[name], axes)
+      w = block_scaled.quantize_weights(whole, contracted, fmt, batch)
+      params[name] = w._replace(weight=params[name], cast=tuple(constrain(c, axes) for c in w.cast))
     return params
 
   def embed(self, tokens: jax.Array) -> jax.Array:

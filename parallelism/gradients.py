@@ -233,7 +233,7 @@ def _mtp(pieces: LossPieces, params: Params, x: jax.Array, batch: Batch, axis=No
     return fn(x, batch["targets"]).mean()
 
 
-def _is_layer_weight(path, names) -> str | None:
+def layer_weight_of(path, names) -> str | None:
   """The layer weight name a parameter tree path is of (params["layers"][name]), if in names."""
   keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
   if len(keys) >= 2 and keys[0] == "layers" and keys[1] in names:
@@ -283,7 +283,7 @@ def _over_replicas(
     axes = tuple(axis for _, axis in mapped)
 
     def combine(path, g):
-      name = _is_layer_weight(path, specs)
+      name = layer_weight_of(path, specs)
       if name is None:
         return mean(g)
       return one_f_one_b.join_reduced(g, specs[name], axes) / replicas
@@ -429,7 +429,7 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
     head_grads = dict(jax.tree_util.tree_flatten_with_path(d_rest)[0])
 
     def combine(path, g):
-      name = _is_layer_weight(path, shards)
+      name = layer_weight_of(path, shards)
       if name is not None:
         return shards[name]
       return g + head_grads[path] if path in head_grads else g

@@ -180,14 +180,22 @@ def test_expert_stacks_run_one_block_scaled_gemm_an_expert(fmt):
     assert max(errors) < MATMUL_RTOL[fmt], (e, errors)
 
 
-def _losses(model, steps: int, mesh=MeshConfig(data=-1), devices: int = 1) -> list[float]:
-  exp = ExperimentConfig(
-    name="block_scaled",
-    description="",
-    model=model,
-    mesh=mesh,
-    train=TrainConfig(global_batch=8, steps=steps, task="learnable", learning_rate=LEARNING_RATE),
+def _losses(
+  model, steps: int, mesh=MeshConfig(data=-1), devices: int = 1, shard_optimizer: bool = False
+) -> list[float]:
+  return _run(model, steps, mesh, devices, shard_optimizer)[0]
+
+
+def _run(model, steps: int, mesh, devices: int, shard_optimizer: bool):
+  """(losses, the train program)."""
+  train = TrainConfig(
+    global_batch=8,
+    steps=steps,
+    task="learnable",
+    learning_rate=LEARNING_RATE,
+    shard_optimizer=shard_optimizer,
   )
+  exp = ExperimentConfig(name="block_scaled", description="", model=model, mesh=mesh, train=train)
   program = train_program(exp, devices)
   step = program.lower(exp.train.global_batch, model.seq_len).compile()
   state, losses = program.init(), []
@@ -195,7 +203,7 @@ def _losses(model, steps: int, mesh=MeshConfig(data=-1), devices: int = 1) -> li
     batch = data.batch("learnable", 0, i, exp.train.global_batch, model.seq_len, model.vocab_size)
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
-  return losses
+  return losses, program
 
 
 def test_tiny_llama_trains_with_block_scaled_matmuls():
@@ -225,6 +233,22 @@ def test_tensor_and_sequence_parallel_steps_match_one_device():
   one = _losses(dataclasses.replace(model, sequence_parallel=False), 3)
   sharded = _losses(model, 3, MeshConfig(data=-1, tensor=2, devices_per_node=2), devices=2)
   assert np.allclose(sharded, one, rtol=LOSS_RTOL), (sharded, one)
+
+
+def test_split_optimizer_keeps_block_scaled_kernels_split():
+  # train.shard_optimizer: the kernels whose quantizations are made once a step are stored
+  # split over `data` like their moments; each step gathers them whole and quantizes them
+  # (no whole copy kept between steps). The same blocks are quantized as on one device:
+  # the one-device losses up to the float32 reduction order, LOSS_RTOL.
+  model = dataclasses.replace(BLOCKED, compute_dtype="float32", block_scaling="mxfp8")
+  one = _losses(model, 3)
+  mesh = MeshConfig(data=2, devices_per_node=2)
+  split, program = _run(model, 3, mesh, 2, shard_optimizer=True)
+  assert np.allclose(split, one, rtol=LOSS_RTOL), (split, one)
+  layers = program.abstract_state.params["layers"]
+  for name in ("q_kernel", "fc1_kernel", "fc2_kernel"):
+    assert "data" in jax.tree.leaves(tuple(layers[name].sharding.spec)), name
+  assert "data" not in jax.tree.leaves(tuple(layers["ln1_scale"].sharding.spec))
 
 
 def test_hopper_refuses_block_scaled_formats():

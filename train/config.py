@@ -34,8 +34,9 @@ class TrainConfig:
   pipeline_passes: int = 1
   # Adam's moments split over `data` (Megatron's distributed optimizer, ZeRO stage 1):
   # 1 / data of their memory, the same bytes moved (gradients reduce-scattered, updated
-  # parameters all-gathered, instead of all-reduced gradients). With model.fp8 the
-  # matmul kernels are split too, and their FP8 casts all-gathered (train/step.py).
+  # parameters all-gathered, instead of all-reduced gradients). With model.fp8 or
+  # block scaling the matmul kernels are split too: each step gathers the FP8 casts, or
+  # the kernels to quantize (train/step.py).
   shard_optimizer: bool = False
   # With shard_optimizer and the 1f1b schedule at virtual_stages >= 2: the layer weights'
   # gradients reduce-scattered over `data` while the drain's last trips still compute

@@ -21,7 +21,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from errors import UserInputError
 from model import fp8, lora, moe
 from model.config import ModelConfig
-from model.gpt import GPT, GROUPED_QUERY_KERNELS, KERNELS, kernels, residual_axes, run_layers
+from model.gpt import (
+  GPT,
+  GROUPED_QUERY_KERNELS,
+  KERNELS,
+  cast_once_kernels,
+  kernels,
+  residual_axes,
+  run_layers,
+)
 from parallelism import context, gradients, one_f_one_b, pipeline, sharding
 from train.config import TrainConfig
 from train.optimizer import learning_rate_schedule, make_optimizer
@@ -274,19 +282,27 @@ def build(
     state_shardings = state_shardings._replace(
       opt_state=sharding.over_data(abstract.opt_state, mesh)
     )
-    if model_cfg.fp8 and not adapters.enabled:
-      # The FP8 matmuls' kernels are kept split over `data` like their moments: the
-      # forward reads only their casts, which each step all-gathers in FP8 (half the bytes
-      # of gathering the updated bfloat16 kernels; Megatron's --fp8-param-gather).
-      params = state_shardings.params
-      layers = {
-        **params["layers"],
-        **{
-          name: sharding.over_data(abstract.params["layers"][name], mesh)
-          for name in kernels(model_cfg)
-        },
-      }
-      state_shardings = state_shardings._replace(params=type(params)({**params, "layers": layers}))
+    layers = abstract.params["layers"]
+    split = cast_once_kernels(model_cfg, {name: v.shape for name, v in layers.items()})
+    if split and not adapters.enabled:
+      # The kernels whose matmuls read only casts made once a step are kept split over
+      # `data` like their moments, and no whole copy lives between steps: each step
+      # all-gathers FP8's E4M3 casts (half the bytes of the updated bfloat16 kernels;
+      # Megatron's --fp8-param-gather), or a block-scaled kernel to quantize it
+      # (model/gpt.py `_block_scaled`; NVIDIA's MXFP8 DeepSeek-V3 runs gather their
+      # parameters this way, with --fp8-param-gather on), where the forward starts
+      # instead of after the update.
+      over_data = {name: sharding.over_data(layers[name], mesh) for name in split}
+
+      def kernel_split(path, leaf):
+        name = gradients.layer_weight_of(path, over_data)
+        return leaf if name is None else over_data[name]
+
+      state_shardings = state_shardings._replace(
+        params=jax.tree_util.tree_map_with_path(
+          kernel_split, state_shardings.params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+      )
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, nnx.Rngs(0), pipelined, adapters)))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
