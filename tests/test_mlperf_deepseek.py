@@ -92,7 +92,7 @@ def test_published_layouts_are_variants_by_gpu_count():
   assert gb200.train.virtual_stages == gb300.train.virtual_stages == 4
   assert gb200.train.pipeline_schedule == "1f1b"
   assert gb200.model.aux_loss_coef == published.AUX_LOSS_COEF
-  assert (gb200.model.remat, gb300.model.remat) == ("save_dots", "none")
+  assert (gb200.model.remat, gb300.model.remat) == ("elementwise", "none")
   assert gb200.model.attention == gb300.model.attention == "cudnn"
   assert gb200.model.block_scaling == gb300.model.block_scaling == "mxfp8"  # as NVIDIA's
 
