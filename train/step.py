@@ -292,11 +292,11 @@ def build(
       # (model/gpt.py `_block_scaled`; NVIDIA's MXFP8 DeepSeek-V3 runs gather their
       # parameters this way, with --fp8-param-gather on), where the forward starts
       # instead of after the update.
-      over_data = {name: sharding.over_data(layers[name], mesh) for name in split}
+      split_layouts = {name: sharding.over_data(layers[name], mesh) for name in split}
 
       def kernel_split(path, leaf):
-        name = gradients.layer_weight_of(path, over_data)
-        return leaf if name is None else over_data[name]
+        name = gradients.layer_weight_of(path, split_layouts)
+        return leaf if name is None else split_layouts[name]
 
       state_shardings = state_shardings._replace(
         params=jax.tree_util.tree_map_with_path(
