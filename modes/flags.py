@@ -99,6 +99,14 @@ def options() -> Options:
       "--coordinator_address, --num_processes, --process_id go together; "
       f"got only --{', --'.join(distributed)}"
     )
+  # The train and benchmark modes run on this machine's devices: a target there would be
+  # silently ignored.
+  targets = [flag.name for flag in (HARDWARE, GPUS) if flag.present]
+  if targets and MODE.value in ("train", "benchmark"):
+    raise UserInputError(
+      f"--{', --'.join(targets)}: for the project, search and sweep modes; "
+      f"--mode={MODE.value} runs on this machine's devices (--devices)"
+    )
   # A sweep runs its own points, each as configured, unless these are given.
   in_sweep = MODE.value == "sweep"
 

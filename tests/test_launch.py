@@ -207,6 +207,7 @@ def test_bad_input_is_refused_naming_the_field(refuse, message):
       "--coordinator_address must be HOST:PORT",
     ),
     (["--set", "model.num_layer=4"], "unknown key 'num_layer'"),
+    (["--gpus=-4"], "--gpus: for the project, search and sweep modes"),
   ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
