@@ -137,7 +137,8 @@ def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
   """Seconds per step of the pipeline loops' memory-bound ops (their HBM bytes outlast
   their FLOPs), by kind: the last part of the op_name JAX gives the op (e.g.
   convert_element_type and reduce_max: FP8 casts; scatter and slice: a trip's writes into
-  and reads from the per-rank stacks), else XLA's fusion name. Largest first."""
+  and reads from the per-rank stacks), a custom call's target, else XLA's fusion name.
+  Largest first."""
   out: dict[str, float] = {}
 
   def visit(nodes, times: int) -> None:
@@ -147,7 +148,10 @@ def memory_bound_by_kind(program: hlo.Program, hw) -> dict[str, float]:
       elif isinstance(node, hlo.Compute):
         flop_s, byte_s = cost_model.op_times_s(node, hw)
         if byte_s > flop_s:
-          kind = node.op_name.rsplit("/", 1)[-1] or re.sub(r"[._]?\d+$", "", node.name)
+          # A custom call by its target: its op_name ends in the wrapper that made it
+          # (custom_partitioning for the fused quantization and cuDNN's GEMM alike).
+          kind = node.kind if node.opcode == "custom-call" else node.op_name.rsplit("/", 1)[-1]
+          kind = kind or re.sub(r"[._]?\d+$", "", node.name)
           out[kind] = out.get(kind, 0.0) + times * byte_s
 
   for loop, repeats in step_loops.pipeline_passes(program):

@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from errors import UserInputError
+from model import fused_quantize
 from model import matmul as dense
 from model.fp8 import CastWeight
 
@@ -94,10 +95,7 @@ class Quantized(NamedTuple):
   global_scale: jax.Array  # float32 scalar (1 for MXFP8)
 
 
-def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
-  """a [R, K] in blocks of fmt.block along K, each block's scale shared by `tile_rows` rows
-  (16 x 16 tiles for NVFP4 weights)."""
-  R, K = a.shape
+def _check_blocks(R: int, K: int, fmt: Format, tile_rows: int) -> None:
   if K % fmt.block or R % tile_rows:
     raise UserInputError(
       f"model.block_scaling = {fmt.name}: a [{R}, {K}] matmul operand does not split into "
@@ -105,6 +103,13 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
       f"per micro-batch (an expert's: sequences x capacity slots) must be multiples of "
       f"{fmt.block}"
     )
+
+
+def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
+  """a [R, K] in blocks of fmt.block along K, each block's scale shared by `tile_rows` rows
+  (16 x 16 tiles for NVFP4 weights)."""
+  R, K = a.shape
+  _check_blocks(R, K, fmt, tile_rows)
   tiles = a.reshape(R // tile_rows, tile_rows, K // fmt.block, fmt.block)
   # abs and max are exact in the operand's own type: taken there, a pass that reduces the
   # operand reads (and any copy XLA keeps for it holds) bfloat16, not a float32 widening.
@@ -125,6 +130,26 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
   return Quantized(
     values.reshape(R, K), jnp.repeat(scales, tile_rows, axis=0), global_scale.astype(jnp.float32)
   )
+
+
+def both_ways(a: jax.Array, fmt: Format) -> tuple[Quantized, Quantized]:
+  """(quantize(a), quantize(a.T)): an activation or gradient [M, K] along K for the GEMM
+  contracting K, and along M for the weight-gradient GEMM. MXFP8 on a CUDA target runs
+  both in one kernel (model/fused_quantize.py); NVFP4 runs the jnp passes, its per-tensor
+  scale wanting a pass over the whole operand first."""
+  R, K = a.shape
+  _check_blocks(R, K, fmt, 1)
+  _check_blocks(K, R, fmt, 1)
+  jnp_passes = lambda a: (quantize(a, fmt), quantize(a.T, fmt))
+  if fmt.name != "mxfp8":
+    return jnp_passes(a)
+
+  def fused(a):
+    by_k, by_k_scales, by_m, by_m_scales = fused_quantize.mxfp8_both_ways(a)
+    one = jnp.ones((), jnp.float32)
+    return Quantized(by_k, by_k_scales, one), Quantized(by_m, by_m_scales, one)
+
+  return jax.lax.platform_dependent(a, cuda=fused, default=jnp_passes)
 
 
 def transposed(q: Quantized, fmt: Format) -> Quantized:
@@ -286,16 +311,19 @@ def _forward(fmt, x, w, cached):
   # The backward pass's residual is the weight-gradient GEMM's quantized x^T rather than
   # x (Transformer Engine's "columnwise" copy). Under the model's remat policies, which
   # save only named activations and matmul outputs, it is recomputed from x there.
-  return _matmul(fmt, x, w, cached), (quantize(x.T, fmt), w, cached)
+  x_by_k, x_by_m = both_ways(x, fmt)
+  forward = cached[0] if cached is not None else _weight(w, fmt)
+  return _dot(x_by_k, forward, fmt, x.dtype), (x_by_m, w, cached)
 
 
 def _backward(fmt, residuals, g):
   x_by_m, w, cached = residuals
   # Input gradient: g [M, N] . w [K, N]^T, contracting N.
   w_by_n = cached[1] if cached is not None else _by_n(w, _weight(w, fmt), fmt)
-  dx = _dot(quantize(g, fmt), w_by_n, fmt, g.dtype)  # g: the output's dtype, x's
+  g_by_n, g_by_m = both_ways(g, fmt)
+  dx = _dot(g_by_n, w_by_n, fmt, g.dtype)  # g: the output's dtype, x's
   # Weight gradient: x^T [K, M] . g^T [N, M]^T, contracting the tokens M.
-  dw = _dot(x_by_m, quantize(g.T, fmt), fmt, w.dtype)
+  dw = _dot(x_by_m, g_by_m, fmt, w.dtype)
   # The cached quantizations are constants of the step: the gradient is the weight's.
   return dx, dw, None
 

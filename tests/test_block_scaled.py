@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from small_models import SMALL_LLAMA, train_program
 from test_launch import launch
 
 import experiments
 from errors import UserInputError
 from experiments import ExperimentConfig, overrides
-from model import block_scaled
+from model import block_scaled, fused_quantize
 from parallelism.mesh import MeshConfig
 from projection import aot_compile, hlo, targets
 from train import data
@@ -91,6 +92,42 @@ def test_block_scaling_shortcut_and_refusals():
     dataclasses.replace(exp.model, fp8=True).validate()
   with pytest.raises(UserInputError, match="multiples of 16"):
     block_scaled.quantize(jnp.ones((16, 24)), block_scaled.FORMATS["nvfp4"])
+
+
+def _both_ways_by_jnp(a):
+  fmt = block_scaled.FORMATS["mxfp8"]
+  by_k, by_m = block_scaled.quantize(a, fmt), block_scaled.quantize(a.T, fmt)
+  return by_k.values, by_k.scales, by_m.values, by_m.scales
+
+
+def _same_bits(got, expected):
+  for a, b in zip(got, expected, strict=True):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), b.astype(jnp.float32))
+
+
+def test_fused_mxfp8_kernel_quantizes_both_ways_as_the_jnp_passes():
+  """The Pallas kernel (model/fused_quantize.py), run by the interpreter here, gives the
+  bits of `quantize` along K and of `quantize` of the transpose: the same float32 ops on
+  the same values. Sides of 96 and 576 take 32- and 64-wide tiles; a zero block takes
+  scale 1; three matrices under vmap (the experts' stacks) take the batch axis."""
+  a = jax.random.normal(jax.random.key(1), (3, 96, 576), jnp.bfloat16) * 3
+  a = a.at[0, :32, :32].set(0).at[1, :32, 32:64].multiply(1e-6)
+  run = functools.partial(fused_quantize.mxfp8_both_ways, interpret=True)
+  _same_bits(jax.jit(jax.vmap(run))(a), jax.vmap(_both_ways_by_jnp)(a))
+
+
+@pytest.mark.parametrize("spec", [P("a", "b"), P("b", "a"), P(None, ("a", "b"))])
+def test_fused_mxfp8_kernel_runs_per_device_under_sharding(spec):
+  """On 8 devices the kernel runs on each device's block (custom partitioning): the same
+  bits as the jnp passes; a split that would leave a device less than a block (K 128 over
+  8 devices: 16 columns, which no tile fits) is gathered first."""
+  auto = (jax.sharding.AxisType.Auto,) * 2  # as the model's meshes (parallelism/mesh.py)
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=auto, devices=jax.devices()[:8])
+  a = jax.random.normal(jax.random.key(2), (256, 128), jnp.bfloat16)
+  a = jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+  run = functools.partial(fused_quantize.mxfp8_both_ways, interpret=True)
+  _same_bits(jax.jit(run)(a), _both_ways_by_jnp(a))
 
 
 @pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
@@ -334,13 +371,30 @@ def test_a_block_scaled_head_runs_its_three_gemms_block_scaled():
 
 
 @pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-def test_blackwell_backward_quantizes_without_float32_copies(fmt):
-  # The block amaxes are taken in the operand's own type (bfloat16 here): XLA then keeps
+def test_blackwell_mxfp8_quantizes_each_operand_in_one_kernel():
+  """Under MXFP8 each activation and gradient a weight GEMM reads is quantized both ways
+  by the fused kernel (model/fused_quantize.py): in the layer loops no amax reduction is
+  left, and each of the five weight matmuls of each layer runs the kernel on its input in
+  the forward pass and on its output gradient in the backward pass."""
+  step, model = _blackwell_step("mxfp8")
+  in_loops = [(n, m) for n, m in hlo.walk(step.program) if isinstance(n, hlo.Compute) and m > 1]
+  assert not [n.name for n, _ in in_loops if "reduce_max" in n.op_name]
+  kernels = lambda part: sum(
+    m for n, m in in_loops if n.kind == "__gpu$xla.gpu.triton" and n.op_name.startswith(part)
+  )
+  matmuls = 5 * model.num_layers
+  assert kernels("jit(step_on_mesh)/jvp()") >= matmuls
+  assert kernels("jit(step_on_mesh)/transpose(jvp())") >= matmuls
+
+
+@pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
+def test_blackwell_backward_quantizes_without_float32_copies():
+  # NVFP4 quantizes in jnp passes (its per-tensor scale reads the whole operand first). The
+  # block amaxes are taken in the operand's own type (bfloat16 here): XLA then keeps
   # no float32 widening of a gradient or activation between the amax and the cast passes.
   # Taking them after a float32 convert, the layer loop's backward wrote four such arrays
   # per layer (the gate/up gradient transposed, 128 x 512 float32, among them).
-  step, model = _blackwell_step(fmt)
+  step, model = _blackwell_step("nvfp4")
   tokens = 128
   widened = [
     (n.name, n.bytes_written)
