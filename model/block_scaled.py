@@ -134,21 +134,23 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
 
 def both_ways(a: jax.Array, fmt: Format) -> tuple[Quantized, Quantized]:
   """(quantize(a), quantize(a.T)): an activation or gradient [M, K] along K for the GEMM
-  contracting K, and along M for the weight-gradient GEMM. MXFP8 on a CUDA target runs
-  both in one kernel (model/fused_quantize.py); NVFP4 runs the jnp passes, its per-tensor
-  scale wanting a pass over the whole operand first."""
+  contracting K, and along M for the weight-gradient GEMM. On a CUDA target both in one
+  kernel (model/fused_quantize.py), NVFP4's per-tensor scale from an amax taken first."""
   R, K = a.shape
   _check_blocks(R, K, fmt, 1)
   _check_blocks(K, R, fmt, 1)
-  jnp_passes = lambda a: (quantize(a, fmt), quantize(a.T, fmt))
-  if fmt.name != "mxfp8":
-    return jnp_passes(a)
 
   def fused(a):
-    by_k, by_k_scales, by_m, by_m_scales = fused_quantize.mxfp8_both_ways(a)
-    one = jnp.ones((), jnp.float32)
-    return Quantized(by_k, by_k_scales, one), Quantized(by_m, by_m_scales, one)
+    if fmt.name == "nvfp4":
+      amax = jnp.max(jnp.abs(a)).astype(jnp.float32)  # as `quantize` takes it
+      scale = jnp.where(amax > 0, amax / (_E4M3_MAX * fmt.value_max), 1.0)
+      by_k, by_k_scales, by_m, by_m_scales = fused_quantize.nvfp4_both_ways(a, scale)
+    else:
+      scale = jnp.ones((), jnp.float32)
+      by_k, by_k_scales, by_m, by_m_scales = fused_quantize.mxfp8_both_ways(a)
+    return Quantized(by_k, by_k_scales, scale), Quantized(by_m, by_m_scales, scale)
 
+  jnp_passes = lambda a: (quantize(a, fmt), quantize(a.T, fmt))
   return jax.lax.platform_dependent(a, cuda=fused, default=jnp_passes)
 
 

@@ -1,4 +1,4 @@
-"""MXFP8 quantization of an activation (or gradient) both ways in one kernel, for CUDA.
+"""Block-scaled quantization of an activation (or gradient) both ways in one kernel, for CUDA.
 
 Every block-scaled GEMM operand that is not a weight is quantized twice
 (model/block_scaled.py `_forward`, `_backward`): along its last axis K, for the GEMM that
@@ -6,22 +6,26 @@ contracts K, and along its rows M, transposed, for the weight-gradient GEMM, whi
 the tokens. Written in jnp, XLA compiles the pair into an amax reduction and a convert
 fusion per direction, which read the bf16 operand three or four times, and the transposed
 direction's passes also write a bf16 transpose: about 8 bytes of HBM traffic an element in
-512 GB200 DeepSeek-V3's compiled step. Transformer Engine's MXFP8 quantize reads the operand
-once and writes both copies ("rowwise" and "columnwise") and their scales; so does this
-kernel: 2 bytes read and 2 written an element, plus a scale byte per 32.
+512 GB200 DeepSeek-V3's compiled step. Transformer Engine's quantize kernels read the
+operand once and write both copies ("rowwise" and "columnwise") and their scales; so does
+this kernel: 2 bytes read an element, and for MXFP8 2 written (1 for NVFP4's packed 4-bit
+values), plus the block scales.
 
 It is a Pallas call on the Triton backend, which XLA compiles for the target GPU into one
 `__gpu$xla.gpu.triton` custom call (the projection costs it as one kernel whose bytes are its
-operand and outputs). Each program quantizes one [bm, bk] tile of one matrix: the tile's
-32-value blocks along K (its rows) and along M (its columns), the latter stored transposed.
-The scales are written as E8M0 bit patterns (2^(bits - 127)) in uint8, which Triton can
-store, and reinterpreted outside.
+operands and outputs). Each program quantizes one [bm, bk] tile of one matrix: the tile's
+blocks along K (its rows) and along M (its columns), the latter stored transposed.
+- MXFP8: E4M3 values, E8M0 scales written as their bit patterns (2^(bits - 127)) in uint8,
+  which Triton can store, and reinterpreted outside.
+- NVFP4: E2M1 values packed two a byte (the first in the low nibble, as XLA lays out
+  f4e2m1fn), E4M3 scales per 16 values, and the per-tensor scale from the operand's amax,
+  taken before the kernel in a reduction of its own (Transformer Engine also takes the
+  amax in a kernel before the cast).
 
-The scale rule is model/block_scaled.py `quantize`'s: 2^ceil(log2(amax / 448)), 1 for an
-all-zero block; the values x / scale, clipped to E4M3's 448. In interpret mode (CPU) the
-kernel gives the same bits as `quantize` (tests/test_block_scaled.py). On a GPU, Triton's
-log2 and exp2 are approximate: a block whose amax / 448 lies within a rounding error of a
-power of two may take the next scale up or down; clipping keeps its values in range.
+The numbers are model/block_scaled.py `quantize`'s, op for op: in interpret mode (CPU) the
+kernel gives the same values and scales (tests/test_block_scaled.py). On a GPU, Triton's
+log2 is approximate: an MXFP8 block whose amax / 448 lies within a rounding error of a power
+of two may take the next scale up or down; clipping keeps its values in range.
 """
 
 import functools
@@ -35,19 +39,26 @@ from jax.experimental.pallas import triton as pallas_triton
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-BLOCK = 32  # MXFP8: one scale per 32 values (OCP Microscaling spec)
 E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# Values per block scale (the OCP Microscaling spec for MXFP8; NVIDIA's NVFP4).
+BLOCK = {"mxfp8": 32, "nvfp4": 16}
 # Tile sides: Triton's block dimensions are powers of two; the largest of these dividing
-# the (per-device) side is used, a multiple of BLOCK by the callers' check.
-_TILE_SIDES = (128, 64, 32)
+# the (per-device) side, and at least a block, is used (the callers check that sides are
+# multiples of a block).
+_TILE_SIDES = (128, 64, 32, 16)
+# E2M1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 are codes 0-7: a magnitude's code counts the
+# midpoints below it, a midpoint itself rounding to the even code (round to nearest even).
+_E2M1_UP_FROM = (0.25, 1.25, 2.5, 5.0)  # midpoints that round down: code up only above
+_E2M1_UP_AT = (0.75, 1.75, 3.5)  # midpoints that round up
 
 
-def _tile(side: int) -> int:
-  return next(t for t in _TILE_SIDES if side % t == 0)
+def _tile(side: int, block: int) -> int:
+  return next(t for t in _TILE_SIDES if side % t == 0 and t >= block)
 
 
-def _scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(scale as float32, its E8M0 bits as uint8) of each block's amax."""
+def _e8m0(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """MXFP8: (scale as float32, its E8M0 bits as uint8) of each block's amax."""
   exponent = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / E4M3_MAX))
   bits = jnp.where(amax > 0, exponent, 0.0).astype(jnp.int32) + 127
   # 2^exponent made from its bits, exactly: exp2 may be approximate (XLA:CPU's is), and a
@@ -56,104 +67,163 @@ def _scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
   return scale, bits.astype(jnp.uint8)
 
 
-def _kernel(x_ref, by_k_ref, by_k_bits_ref, by_m_ref, by_m_bits_ref, *, bm: int, bk: int):
+def _e4m3_scale(amax: jax.Array, global_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """NVFP4: (scale as float32, the E4M3 block scale) of each block's amax."""
+  stored = (amax / E2M1_MAX / global_scale).astype(jnp.float8_e4m3fn)
+  scale = stored.astype(jnp.float32) * global_scale
+  return jnp.where(scale > 0, scale, 1.0), stored
+
+
+def _e2m1_packed(v: jax.Array) -> jax.Array:
+  """v [r, c] (|v| <= 6) rounded to E2M1 codes, two a byte along c: [r, c / 2] uint8."""
+  magnitude = jnp.abs(v)
+  code = jnp.zeros(v.shape, jnp.int32)
+  for midpoint in _E2M1_UP_FROM:
+    code += (magnitude > midpoint).astype(jnp.int32)
+  for midpoint in _E2M1_UP_AT:
+    code += (magnitude >= midpoint).astype(jnp.int32)
+  code += jnp.where(v < 0, 8, 0)
+  r, c = v.shape
+  pairs = code.reshape(r, c // 2, 2)
+  # The pair's first value in the low nibble: weights 1 and 16.
+  weight = 1 + 15 * jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 2)
+  return jnp.sum(pairs * weight, axis=2).astype(jnp.uint8)
+
+
+def _mxfp8_kernel(x_ref, by_k_ref, by_k_scales_ref, by_m_ref, by_m_scales_ref, *, bm, bk):
   x = x_ref[...].astype(jnp.float32)  # [bm, bk]
-  rows = x.reshape(bm, bk // BLOCK, BLOCK)
-  scale, bits = _scale(jnp.max(jnp.abs(rows), axis=2))  # [bm, bk / 32]
+  b = BLOCK["mxfp8"]
+  rows = x.reshape(bm, bk // b, b)
+  scale, bits = _e8m0(jnp.max(jnp.abs(rows), axis=2))  # [bm, bk / b]
   values = jnp.clip(rows / scale[:, :, None], -E4M3_MAX, E4M3_MAX)
   by_k_ref[...] = values.reshape(bm, bk).astype(by_k_ref.dtype)
-  by_k_bits_ref[...] = bits
-  cols = x.reshape(bm // BLOCK, BLOCK, bk)
-  scale, bits = _scale(jnp.max(jnp.abs(cols), axis=1))  # [bm / 32, bk]
+  by_k_scales_ref[...] = bits
+  cols = x.reshape(bm // b, b, bk)
+  scale, bits = _e8m0(jnp.max(jnp.abs(cols), axis=1))  # [bm / b, bk]
   values = jnp.clip(cols / scale[:, None, :], -E4M3_MAX, E4M3_MAX)
   by_m_ref[...] = values.reshape(bm, bk).T.astype(by_m_ref.dtype)
-  by_m_bits_ref[...] = bits.T
+  by_m_scales_ref[...] = bits.T
 
 
-def _call(a: jax.Array, interpret: bool = False) -> tuple[jax.Array, ...]:
-  """a [B, M, K] -> (values [B, M, K], scale bits [B, M, K/32], values of a^T [B, K, M],
-  scale bits [B, K, M/32])."""
+def _nvfp4_kernel(gs_ref, x_ref, by_k_ref, by_k_scales_ref, by_m_ref, by_m_scales_ref, *, bm, bk):
+  global_scale = jnp.max(gs_ref[...])  # this matrix's per-tensor scale
+  x = x_ref[...].astype(jnp.float32)  # [bm, bk]
+  b = BLOCK["nvfp4"]
+  rows = x.reshape(bm, bk // b, b)
+  scale, stored = _e4m3_scale(jnp.max(jnp.abs(rows), axis=2), global_scale)  # [bm, bk / b]
+  values = jnp.clip(rows / scale[:, :, None], -E2M1_MAX, E2M1_MAX)
+  by_k_ref[...] = _e2m1_packed(values.reshape(bm, bk))
+  by_k_scales_ref[...] = stored
+  cols = x.reshape(bm // b, b, bk)
+  scale, stored = _e4m3_scale(jnp.max(jnp.abs(cols), axis=1), global_scale)  # [bm / b, bk]
+  values = jnp.clip(cols / scale[:, None, :], -E2M1_MAX, E2M1_MAX)
+  by_m_ref[...] = _e2m1_packed(values.reshape(bm, bk).T)
+  by_m_scales_ref[...] = stored.T
+
+
+def _call(fmt: str, interpret: bool, a: jax.Array, *global_scale) -> tuple[jax.Array, ...]:
+  """a [B, M, K] (and NVFP4's per-matrix scales [B]) -> (values [B, M, K], scales
+  [B, M, K / block], values of a^T [B, K, M], scales [B, K, M / block]); NVFP4's values
+  packed two a byte ([B, M, K / 2], [B, K, M / 2] uint8), MXFP8's scales as E8M0 bits."""
   B, M, K = a.shape
-  bm, bk = _tile(M), _tile(K)
-  tile = lambda rows, cols, swap: pl.BlockSpec(
-    (None, rows, cols), (lambda b, i, j: (b, j, i)) if swap else (lambda b, i, j: (b, i, j))
-  )
+  block = BLOCK[fmt]
+  bm, bk = _tile(M, block), _tile(K, block)
+  per = 2 if fmt == "nvfp4" else 1  # values a stored element
+
+  def tile(rows, cols, swap):
+    where = (lambda b, i, j: (b, j, i)) if swap else (lambda b, i, j: (b, i, j))
+    return pl.BlockSpec((None, rows, cols), where)
+
+  values = jnp.uint8 if fmt == "nvfp4" else jnp.float8_e4m3fn
+  scales = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
   out = jax.ShapeDtypeStruct
+  kernel = _nvfp4_kernel if fmt == "nvfp4" else _mxfp8_kernel
+  in_specs = [tile(bm, bk, False)]
+  if fmt == "nvfp4":
+    in_specs.insert(0, pl.BlockSpec((None, 1), lambda b, i, j: (b, 0)))
+    global_scale = (global_scale[0].reshape(B, 1),)
   quantized = pl.pallas_call(
-    functools.partial(_kernel, bm=bm, bk=bk),
+    functools.partial(kernel, bm=bm, bk=bk),
     grid=(B, M // bm, K // bk),
-    in_specs=[tile(bm, bk, False)],
+    in_specs=in_specs,
     out_specs=[
-      tile(bm, bk, False),
-      tile(bm, bk // BLOCK, False),
-      tile(bk, bm, True),
-      tile(bk, bm // BLOCK, True),
+      tile(bm, bk // per, False),
+      tile(bm, bk // block, False),
+      tile(bk, bm // per, True),
+      tile(bk, bm // block, True),
     ],
     out_shape=[
-      out((B, M, K), jnp.float8_e4m3fn),
-      out((B, M, K // BLOCK), jnp.uint8),
-      out((B, K, M), jnp.float8_e4m3fn),
-      out((B, K, M // BLOCK), jnp.uint8),
+      out((B, M, K // per), values),
+      out((B, M, K // block), scales),
+      out((B, K, M // per), values),
+      out((B, K, M // block), scales),
     ],
     compiler_params=pallas_triton.CompilerParams(),
     interpret=interpret,
-  )(a)
+  )(*global_scale, a)
   return tuple(quantized)
 
 
-def _specs(sharding, shape) -> tuple[tuple, tuple]:
+def _specs(sharding, shape, block: int) -> tuple[tuple, tuple]:
   """(input spec, transposed spec) a partitioned call runs with: the input's, less a split
-  of M or K that would leave a device a side that is not a multiple of BLOCK."""
+  of M or K that would leave a device a side that is not a multiple of a block."""
   batch, m, k = (*sharding.spec, None, None, None)[:3]
   mesh = sharding.mesh
 
   def kept(entry, side):
     axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return entry if (side // math.prod(mesh.shape[a] for a in axes)) % BLOCK == 0 else None
+    return entry if (side // math.prod(mesh.shape[a] for a in axes)) % block == 0 else None
 
   m, k = kept(m, shape[1]), kept(k, shape[2])
   return (batch, m, k), (batch, k, m)
 
 
-def _infer(interpret, mesh, shapes, result_shape):
-  spec, transposed = _specs(shapes[0].sharding, shapes[0].shape)
-  named = lambda s: NamedSharding(shapes[0].sharding.mesh, P(*s))
-  return (named(spec), named(spec), named(transposed), named(transposed))
-
-
-def _partition(interpret, mesh, shapes, result_shape):
-  spec, transposed = _specs(shapes[0].sharding, shapes[0].shape)
+def _shardings(fmt, shapes):
+  spec, transposed = _specs(shapes[0].sharding, shapes[0].shape, BLOCK[fmt])
   named = lambda s: NamedSharding(shapes[0].sharding.mesh, P(*s))
   outs = (named(spec), named(spec), named(transposed), named(transposed))
-  return mesh, functools.partial(_call, interpret=interpret), outs, (named(spec),)
-
-
-@functools.partial(custom_partitioning, static_argnums=(1,))
-def _partitioned(a: jax.Array, interpret: bool) -> tuple[jax.Array, ...]:
-  """`_call` with an SPMD rule: each device quantizes its own [B, M, K] block (a Pallas call
-  has none of its own, and would be gathered whole)."""
-  return _call(a, interpret)
-
-
-_partitioned.def_partition(
-  infer_sharding_from_operands=_infer,
-  partition=_partition,
-  sharding_rule="b m k -> b m k, b m k, b k m, b k m",
-)
+  operands = (named(spec), named(spec[:1])) if fmt == "nvfp4" else (named(spec),)
+  return outs, operands
 
 
 @functools.cache
-def _batched(interpret: bool):
+def _partitioned(fmt: str, interpret: bool):
+  """`_call` with an SPMD rule: each device quantizes its own [B, M, K] block (a Pallas call
+  has none of its own, and would be gathered whole)."""
+
+  @custom_partitioning
+  def quantize(a: jax.Array, *global_scale) -> tuple[jax.Array, ...]:
+    return _call(fmt, interpret, a, *global_scale)
+
+  def partition(mesh, shapes, result_shape):
+    outs, operands = _shardings(fmt, shapes)
+    return mesh, lambda *args: _call(fmt, interpret, *args), outs, operands
+
+  quantize.def_partition(
+    infer_sharding_from_operands=lambda mesh, shapes, result_shape: _shardings(fmt, shapes)[0],
+    partition=partition,
+    # Scales and packed values are named by the axes they run along: a block axis splits
+    # where its values' axis does.
+    sharding_rule=("b m k, b" if fmt == "nvfp4" else "b m k") + " -> b m k, b m k, b k m, b k m",
+  )
+  return quantize
+
+
+@functools.cache
+def _batched(fmt: str, interpret: bool):
   @jax.custom_batching.custom_vmap
-  def quantize(a: jax.Array) -> tuple[jax.Array, ...]:
+  def quantize(a: jax.Array, *global_scale) -> tuple[jax.Array, ...]:
     lead = a.shape[:-2]
-    out = _partitioned(a.reshape(-1, *a.shape[-2:]), interpret)  # [prod(lead), ...]
+    flat = a.reshape(-1, *a.shape[-2:])  # [prod(lead), M, K]
+    out = _partitioned(fmt, interpret)(flat, *(s.reshape(-1) for s in global_scale))
     return tuple(o.reshape(*lead, *o.shape[1:]) for o in out)
 
   @quantize.def_vmap
-  def _vmap(axis_size, in_batched, a):
+  def _vmap(axis_size, in_batched, a, *global_scale):
     # The model's vmaps (replicas, context ranks, stages, experts) lead: one more batch axis.
-    return quantize(a), (True,) * 4
+    # NVFP4's per-tensor scale is batched with its operand (each matrix's own).
+    assert all(in_batched), in_batched
+    return quantize(a, *global_scale), (True,) * 4
 
   return quantize
 
@@ -161,6 +231,18 @@ def _batched(interpret: bool):
 def mxfp8_both_ways(a: jax.Array, interpret: bool = False) -> tuple[jax.Array, ...]:
   """a [M, K] (M and K multiples of 32) -> (values [M, K] in E4M3, scales [M, K/32] in
   E8M0, values of a^T [K, M], scales [K, M/32]): a quantized along K, and a^T along M."""
-  vk, sk, vm, sm = _batched(interpret)(a)
+  vk, sk, vm, sm = _batched("mxfp8", interpret)(a)
   e8m0 = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
   return vk, e8m0(sk), vm, e8m0(sm)
+
+
+def nvfp4_both_ways(
+  a: jax.Array, global_scale: jax.Array, interpret: bool = False
+) -> tuple[jax.Array, ...]:
+  """a [M, K] (M and K multiples of 16) with its per-tensor scale (a float32 scalar) ->
+  (values [M, K] in E2M1, scales [M, K/16] in E4M3, values of a^T [K, M], scales [K, M/16])."""
+  vk, sk, vm, sm = _batched("nvfp4", interpret)(a, global_scale)
+  e2m1 = lambda packed: jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn).reshape(
+    *packed.shape[:-1], -1
+  )
+  return e2m1(vk), sk, e2m1(vm), sm

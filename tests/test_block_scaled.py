@@ -94,10 +94,18 @@ def test_block_scaling_shortcut_and_refusals():
     block_scaled.quantize(jnp.ones((16, 24)), block_scaled.FORMATS["nvfp4"])
 
 
-def _both_ways_by_jnp(a):
-  fmt = block_scaled.FORMATS["mxfp8"]
-  by_k, by_m = block_scaled.quantize(a, fmt), block_scaled.quantize(a.T, fmt)
+def _both_ways_by_jnp(a, fmt: str):
+  spec = block_scaled.FORMATS[fmt]
+  by_k, by_m = block_scaled.quantize(a, spec), block_scaled.quantize(a.T, spec)
   return by_k.values, by_k.scales, by_m.values, by_m.scales
+
+
+def _both_ways_by_kernel(a, fmt: str):
+  if fmt == "mxfp8":
+    return fused_quantize.mxfp8_both_ways(a, interpret=True)
+  amax = jnp.max(jnp.abs(a)).astype(jnp.float32)  # as block_scaled.both_ways takes it
+  scale = jnp.where(amax > 0, amax / (448.0 * 6.0), 1.0)
+  return fused_quantize.nvfp4_both_ways(a, scale, interpret=True)
 
 
 def _same_bits(got, expected):
@@ -106,28 +114,35 @@ def _same_bits(got, expected):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), b.astype(jnp.float32))
 
 
-def test_fused_mxfp8_kernel_quantizes_both_ways_as_the_jnp_passes():
+@pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
+def test_fused_kernel_quantizes_both_ways_as_the_jnp_passes(fmt):
   """The Pallas kernel (model/fused_quantize.py), run by the interpreter here, gives the
-  bits of `quantize` along K and of `quantize` of the transpose: the same float32 ops on
-  the same values. Sides of 96 and 576 take 32- and 64-wide tiles; a zero block takes
-  scale 1; three matrices under vmap (the experts' stacks) take the batch axis."""
+  values and scales of `quantize` along K and of `quantize` of the transpose: the same
+  float32 ops on the same values. Sides of 96 and 576 take 32- and 64-wide tiles (48: 16);
+  a zero block and a zero matrix take scale 1; a block a million times smaller than the
+  rest its own scale; three matrices under vmap (the experts' stacks) the batch axis."""
   a = jax.random.normal(jax.random.key(1), (3, 96, 576), jnp.bfloat16) * 3
   a = a.at[0, :32, :32].set(0).at[1, :32, 32:64].multiply(1e-6)
-  run = functools.partial(fused_quantize.mxfp8_both_ways, interpret=True)
-  _same_bits(jax.jit(jax.vmap(run))(a), jax.vmap(_both_ways_by_jnp)(a))
+  if fmt == "nvfp4":
+    a = a[:, :48].at[2].set(0)
+  run = functools.partial(_both_ways_by_kernel, fmt=fmt)
+  expected = functools.partial(_both_ways_by_jnp, fmt=fmt)
+  _same_bits(jax.jit(jax.vmap(run))(a), jax.vmap(expected)(a))
 
 
+@pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
 @pytest.mark.parametrize("spec", [P("a", "b"), P("b", "a"), P(None, ("a", "b"))])
-def test_fused_mxfp8_kernel_runs_per_device_under_sharding(spec):
+def test_fused_kernel_runs_per_device_under_sharding(spec, fmt):
   """On 8 devices the kernel runs on each device's block (custom partitioning): the same
-  bits as the jnp passes; a split that would leave a device less than a block (K 128 over
-  8 devices: 16 columns, which no tile fits) is gathered first."""
+  values as the jnp passes; a split that would leave a device less than a block (K 128
+  over 8 devices: 16 columns, no MXFP8 tile) is gathered first. NVFP4's per-tensor scale
+  is the whole matrix's amax, whatever the split."""
   auto = (jax.sharding.AxisType.Auto,) * 2  # as the model's meshes (parallelism/mesh.py)
   mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=auto, devices=jax.devices()[:8])
   a = jax.random.normal(jax.random.key(2), (256, 128), jnp.bfloat16)
   a = jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
-  run = functools.partial(fused_quantize.mxfp8_both_ways, interpret=True)
-  _same_bits(jax.jit(run)(a), _both_ways_by_jnp(a))
+  run = functools.partial(_both_ways_by_kernel, fmt=fmt)
+  _same_bits(jax.jit(run)(a), _both_ways_by_jnp(a, fmt))
 
 
 @pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
@@ -371,38 +386,20 @@ def test_a_block_scaled_head_runs_its_three_gemms_block_scaled():
 
 
 @pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
-def test_blackwell_mxfp8_quantizes_each_operand_in_one_kernel():
-  """Under MXFP8 each activation and gradient a weight GEMM reads is quantized both ways
-  by the fused kernel (model/fused_quantize.py): in the layer loops no amax reduction is
-  left, and each of the five weight matmuls of each layer runs the kernel on its input in
-  the forward pass and on its output gradient in the backward pass."""
-  step, model = _blackwell_step("mxfp8")
+@pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
+def test_blackwell_quantizes_each_operand_in_one_kernel(fmt):
+  """Each activation and gradient a weight GEMM reads is quantized both ways by the fused
+  kernel (model/fused_quantize.py): each of a layer's five weight matmuls runs it on its
+  input in the forward pass and on its output gradient in the backward pass, and no amax
+  reduction of its own is left in the layer loops but NVFP4's per-tensor one, at most one
+  a kernel."""
+  step, model = _blackwell_step(fmt)
   in_loops = [(n, m) for n, m in hlo.walk(step.program) if isinstance(n, hlo.Compute) and m > 1]
-  assert not [n.name for n, _ in in_loops if "reduce_max" in n.op_name]
   kernels = lambda part: sum(
     m for n, m in in_loops if n.kind == "__gpu$xla.gpu.triton" and n.op_name.startswith(part)
   )
   matmuls = 5 * model.num_layers
-  assert kernels("jit(step_on_mesh)/jvp()") >= matmuls
-  assert kernels("jit(step_on_mesh)/transpose(jvp())") >= matmuls
-
-
-@pytest.mark.skipif(not targets.cuda_available()[0], reason="needs jax-cuda12-plugin")
-def test_blackwell_backward_quantizes_without_float32_copies():
-  # NVFP4 quantizes in jnp passes (its per-tensor scale reads the whole operand first). The
-  # block amaxes are taken in the operand's own type (bfloat16 here): XLA then keeps
-  # no float32 widening of a gradient or activation between the amax and the cast passes.
-  # Taking them after a float32 convert, the layer loop's backward wrote four such arrays
-  # per layer (the gate/up gradient transposed, 128 x 512 float32, among them).
-  step, model = _blackwell_step("nvfp4")
-  tokens = 128
-  widened = [
-    (n.name, n.bytes_written)
-    for n, _ in hlo.walk(step.program)
-    if isinstance(n, hlo.Compute)
-    and not n.dot_flops
-    and n.dtype == "f32"
-    and n.bytes_written >= 4 * tokens * model.d_model
-    and "transpose(jvp())/while" in n.op_name
-  ]
-  assert widened == [], widened
+  forward, backward = kernels("jit(step_on_mesh)/jvp()"), kernels("jit(step_on_mesh)/transpose")
+  assert forward >= matmuls and backward >= matmuls, (forward, backward)
+  amaxes = sum(m for n, m in in_loops if "reduce_max" in n.op_name)
+  assert amaxes <= (forward + backward if fmt == "nvfp4" else 0), amaxes
