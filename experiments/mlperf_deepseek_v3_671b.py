@@ -135,8 +135,8 @@ def _experiment(run: published.PublishedRun) -> ExperimentConfig:
   replicas = run.gpus // (run.tensor * run.pipeline * run.context)
   # Megatron's MLP recomputation (GB200) ~ elementwise: the layer input, the attention
   # block's outputs and the dense MLPs' first matmul are kept, the routed experts (their
-  # all-to-alls included), norms and activations recomputed. At 512 GB200 it fits, 172 of
-  # 199 GB, at 40.6 s a step; save_dots, which keeps every unbatched matmul's output,
+  # all-to-alls included), norms and activations recomputed. At 512 GB200 it fits, 174 of
+  # 199 GB, at 39.7 s a step; save_dots, which keeps every unbatched matmul's output,
   # needed 211 GB before the fused MXFP8 quantization (docs/moe.md). Without it (GB300)
   # every matmul is kept.
   remat = "elementwise" if run.mlp_recompute else "none"

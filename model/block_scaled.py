@@ -132,10 +132,11 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
   )
 
 
-def both_ways(a: jax.Array, fmt: Format) -> tuple[Quantized, Quantized]:
+def both_ways(a: jax.Array, fmt: Format, row_groups: int = 1) -> tuple[Quantized, Quantized]:
   """(quantize(a), quantize(a.T)): an activation or gradient [M, K] along K for the GEMM
   contracting K, and along M for the weight-gradient GEMM. On a CUDA target both in one
-  kernel (model/fused_quantize.py), NVFP4's per-tensor scale from an amax taken first."""
+  kernel (model/fused_quantize.py), NVFP4's per-tensor scale from an amax taken first;
+  row_groups: see `_einsum`."""
   R, K = a.shape
   _check_blocks(R, K, fmt, 1)
   _check_blocks(K, R, fmt, 1)
@@ -144,10 +145,11 @@ def both_ways(a: jax.Array, fmt: Format) -> tuple[Quantized, Quantized]:
     if fmt.name == "nvfp4":
       amax = jnp.max(jnp.abs(a)).astype(jnp.float32)  # as `quantize` takes it
       scale = jnp.where(amax > 0, amax / (_E4M3_MAX * fmt.value_max), 1.0)
-      by_k, by_k_scales, by_m, by_m_scales = fused_quantize.nvfp4_both_ways(a, scale)
+      quantized = fused_quantize.nvfp4_both_ways(a, scale, row_groups=row_groups)
     else:
       scale = jnp.ones((), jnp.float32)
-      by_k, by_k_scales, by_m, by_m_scales = fused_quantize.mxfp8_both_ways(a)
+      quantized = fused_quantize.mxfp8_both_ways(a, row_groups=row_groups)
+    by_k, by_k_scales, by_m, by_m_scales = quantized
     return Quantized(by_k, by_k_scales, scale), Quantized(by_m, by_m_scales, scale)
 
   jnp_passes = lambda a: (quantize(a, fmt), quantize(a.T, fmt))
@@ -301,28 +303,30 @@ def _by_n(w: jax.Array, forward: Quantized, fmt: Format) -> Quantized:
   return quantize(w, fmt)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul(fmt: Format, x: jax.Array, w: jax.Array, cached: tuple | None) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _matmul(
+  fmt: Format, row_groups: int, x: jax.Array, w: jax.Array, cached: tuple | None
+) -> jax.Array:
   """x [M, K] @ w [K, N] -> [M, N] in x.dtype, every GEMM block-scaled; cached: w's
   (forward, input-gradient) quantizations, made once a step (else made here)."""
   forward = cached[0] if cached is not None else _weight(w, fmt)
   return _dot(quantize(x, fmt), forward, fmt, x.dtype)
 
 
-def _forward(fmt, x, w, cached):
+def _forward(fmt, row_groups, x, w, cached):
   # The backward pass's residual is the weight-gradient GEMM's quantized x^T rather than
   # x (Transformer Engine's "columnwise" copy). Under the model's remat policies, which
   # save only named activations and matmul outputs, it is recomputed from x there.
-  x_by_k, x_by_m = both_ways(x, fmt)
+  x_by_k, x_by_m = both_ways(x, fmt, row_groups)
   forward = cached[0] if cached is not None else _weight(w, fmt)
   return _dot(x_by_k, forward, fmt, x.dtype), (x_by_m, w, cached)
 
 
-def _backward(fmt, residuals, g):
+def _backward(fmt, row_groups, residuals, g):
   x_by_m, w, cached = residuals
   # Input gradient: g [M, N] . w [K, N]^T, contracting N.
   w_by_n = cached[1] if cached is not None else _by_n(w, _weight(w, fmt), fmt)
-  g_by_n, g_by_m = both_ways(g, fmt)
+  g_by_n, g_by_m = both_ways(g, fmt, row_groups)
   dx = _dot(g_by_n, w_by_n, fmt, g.dtype)  # g: the output's dtype, x's
   # Weight gradient: x^T [K, M] . g^T [N, M]^T, contracting the tokens M.
   dw = _dot(x_by_m, g_by_m, fmt, w.dtype)
@@ -412,7 +416,16 @@ def einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str) -> jax.
   return checkpoint_name(y, BATCHED_OUTPUT_NAME if batch else OUTPUT_NAME)
 
 
-def _einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str, batch: str):
+def _einsum(
+  spec: str,
+  x: jax.Array,
+  w: jax.Array | CastWeight,
+  fmt: str,
+  batch: str,
+  row_groups: int = 1,
+):
+  """row_groups: how many groups x's rows (tokens) come in, each group's rows together,
+  when a vmapped axis was moved out from between the groups and the rest (below)."""
   if batch:
     # One GEMM per batch index: the batch axes moved to the front of x and vmapped over
     # (the vmap rule of `_cudnn`'s GEMM makes them the batch axis of cuDNN's).
@@ -421,8 +434,15 @@ def _einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str, batch:
       raise ValueError(f"block-scaled einsum: {spec!r} has batch axes {batch!r} not leading in w")
     drop = lambda axes: "".join(a for a in axes if a not in batch)
     inner = f"{drop(xs)},{drop(ws)}->{drop(out)}"
+    # Token axes before the batch axis (a stack of experts' buffer [b, e, c, d], as the
+    # dispatch all-to-all leaves it): the fused quantization reads each expert's rows in
+    # place, in those groups, rather than after a transpose to [e, b, c, d].
+    before = xs[: xs.index(batch[0])]
+    groups = 1
+    if len(batch) == 1 and not set(before) & set(ws):
+      groups = math.prod(x.shape[: len(before)])
     x = jnp.moveaxis(x, [xs.index(a) for a in batch], range(len(batch)))
-    run = lambda x, w: _einsum(inner, x, w, fmt, "")
+    run = lambda x, w: _einsum(inner, x, w, fmt, "", groups)
     for _ in batch:
       run = jax.vmap(run)
     y = run(x, w)  # [batch..., rest of out...]
@@ -436,5 +456,5 @@ def _einsum(spec: str, x: jax.Array, w: jax.Array | CastWeight, fmt: str, batch:
   rows, inner = math.prod(lead), math.prod(x.shape[len(tokens) :])
   flat = weight.reshape(inner, -1)  # [K, N]
   cached = _cached(w, *flat.shape, FORMATS[fmt]) if isinstance(w, CastWeight) else None
-  y = _matmul(FORMATS[fmt], x.reshape(rows, inner), flat, cached)
+  y = _matmul(FORMATS[fmt], row_groups, x.reshape(rows, inner), flat, cached)
   return y.reshape(*lead, *weight.shape[len(contracted) :])

@@ -122,41 +122,45 @@ def _nvfp4_kernel(gs_ref, x_ref, by_k_ref, by_k_scales_ref, by_m_ref, by_m_scale
 
 
 def _call(fmt: str, interpret: bool, a: jax.Array, *global_scale) -> tuple[jax.Array, ...]:
-  """a [B, M, K] (and NVFP4's per-matrix scales [B]) -> (values [B, M, K], scales
-  [B, M, K / block], values of a^T [B, K, M], scales [B, K, M / block]); NVFP4's values
-  packed two a byte ([B, M, K / 2], [B, K, M / 2] uint8), MXFP8's scales as E8M0 bits."""
-  B, M, K = a.shape
+  """a [Q1, P, Q2, M, K]: matrices [Q1, Q2] of P x M rows, their row groups P outside Q2 (an
+  expert buffer laid out as the dispatch all-to-all leaves it, [sequences, experts, slots,
+  D]: read in place, not transposed first), and NVFP4's per-matrix scales [Q1, Q2, 1] ->
+  (values [Q1, Q2, P, M, K], scales [.., K / block], values of each matrix transposed
+  [Q1, Q2, K, P, M], scales [.., M / block]); NVFP4's values packed two a byte (the last
+  axis halved, uint8), MXFP8's scales as E8M0 bits."""
+  Q1, P, Q2, M, K = a.shape
   block = BLOCK[fmt]
   bm, bk = _tile(M, block), _tile(K, block)
   per = 2 if fmt == "nvfp4" else 1  # values a stored element
+  # One program a tile: grid axis 0 runs over (q1, p, q2).
+  lead = lambda g: (g // (P * Q2), (g // Q2) % P, g % Q2)
 
-  def tile(rows, cols, swap):
-    where = (lambda b, i, j: (b, j, i)) if swap else (lambda b, i, j: (b, i, j))
-    return pl.BlockSpec((None, rows, cols), where)
+  def rows(cols):  # an output tile [bm, cols] of matrix (q1, q2), row group p
+    return pl.BlockSpec((None, None, None, bm, cols), lambda g, i, j: (*_swap(lead(g)), i, j))
+
+  def transposed(cols):  # an output tile [bk, cols] of the transposed matrix
+    return pl.BlockSpec(
+      (None, None, bk, None, cols), lambda g, i, j: (lead(g)[0], lead(g)[2], j, lead(g)[1], i)
+    )
 
   values = jnp.uint8 if fmt == "nvfp4" else jnp.float8_e4m3fn
   scales = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
   out = jax.ShapeDtypeStruct
   kernel = _nvfp4_kernel if fmt == "nvfp4" else _mxfp8_kernel
-  in_specs = [tile(bm, bk, False)]
+  in_specs = [pl.BlockSpec((None, None, None, bm, bk), lambda g, i, j: (*lead(g), i, j))]
   if fmt == "nvfp4":
-    in_specs.insert(0, pl.BlockSpec((None, 1), lambda b, i, j: (b, 0)))
-    global_scale = (global_scale[0].reshape(B, 1),)
+    scale_of = lambda g, i, j: (lead(g)[0], lead(g)[2], 0)
+    in_specs.insert(0, pl.BlockSpec((None, None, 1), scale_of))
   quantized = pl.pallas_call(
     functools.partial(kernel, bm=bm, bk=bk),
-    grid=(B, M // bm, K // bk),
+    grid=(Q1 * P * Q2, M // bm, K // bk),
     in_specs=in_specs,
-    out_specs=[
-      tile(bm, bk // per, False),
-      tile(bm, bk // block, False),
-      tile(bk, bm // per, True),
-      tile(bk, bm // block, True),
-    ],
+    out_specs=[rows(bk // per), rows(bk // block), transposed(bm // per), transposed(bm // block)],
     out_shape=[
-      out((B, M, K // per), values),
-      out((B, M, K // block), scales),
-      out((B, K, M // per), values),
-      out((B, K, M // block), scales),
+      out((Q1, Q2, P, M, K // per), values),
+      out((Q1, Q2, P, M, K // block), scales),
+      out((Q1, Q2, K, P, M // per), values),
+      out((Q1, Q2, K, P, M // block), scales),
     ],
     compiler_params=pallas_triton.CompilerParams(),
     interpret=interpret,
@@ -164,32 +168,38 @@ def _call(fmt: str, interpret: bool, a: jax.Array, *global_scale) -> tuple[jax.A
   return tuple(quantized)
 
 
-def _specs(sharding, shape, block: int) -> tuple[tuple, tuple]:
-  """(input spec, transposed spec) a partitioned call runs with: the input's, less a split
-  of M or K that would leave a device a side that is not a multiple of a block."""
-  batch, m, k = (*sharding.spec, None, None, None)[:3]
+def _swap(lead: tuple) -> tuple:
+  q1, p, q2 = lead
+  return q1, q2, p
+
+
+def _specs(sharding, shape, block: int) -> tuple[tuple, tuple, tuple]:
+  """(input, output, transposed output) specs a partitioned call runs with: the input's,
+  less a split of M or K that would leave a device a side that is not a multiple of a
+  block."""
+  q1, p, q2, m, k = (*sharding.spec, *(None,) * 5)[:5]
   mesh = sharding.mesh
 
   def kept(entry, side):
     axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     return entry if (side // math.prod(mesh.shape[a] for a in axes)) % block == 0 else None
 
-  m, k = kept(m, shape[1]), kept(k, shape[2])
-  return (batch, m, k), (batch, k, m)
+  m, k = kept(m, shape[3]), kept(k, shape[4])
+  return (q1, p, q2, m, k), (q1, q2, p, m, k), (q1, q2, k, p, m)
 
 
 def _shardings(fmt, shapes):
-  spec, transposed = _specs(shapes[0].sharding, shapes[0].shape, BLOCK[fmt])
+  spec, output, transposed = _specs(shapes[0].sharding, shapes[0].shape, BLOCK[fmt])
   named = lambda s: NamedSharding(shapes[0].sharding.mesh, P(*s))
-  outs = (named(spec), named(spec), named(transposed), named(transposed))
-  operands = (named(spec), named(spec[:1])) if fmt == "nvfp4" else (named(spec),)
-  return outs, operands
+  outs = (named(output), named(output), named(transposed), named(transposed))
+  scales = (named((spec[0], spec[2], None)),) if fmt == "nvfp4" else ()
+  return outs, (named(spec), *scales)
 
 
 @functools.cache
 def _partitioned(fmt: str, interpret: bool):
-  """`_call` with an SPMD rule: each device quantizes its own [B, M, K] block (a Pallas call
-  has none of its own, and would be gathered whole)."""
+  """`_call` with an SPMD rule: each device quantizes its own block (a Pallas call has none
+  of its own, and would be gathered whole)."""
 
   @custom_partitioning
   def quantize(a: jax.Array, *global_scale) -> tuple[jax.Array, ...]:
@@ -199,24 +209,31 @@ def _partitioned(fmt: str, interpret: bool):
     outs, operands = _shardings(fmt, shapes)
     return mesh, lambda *args: _call(fmt, interpret, *args), outs, operands
 
+  scales = ", a e s" if fmt == "nvfp4" else ""
   quantize.def_partition(
     infer_sharding_from_operands=lambda mesh, shapes, result_shape: _shardings(fmt, shapes)[0],
     partition=partition,
     # Scales and packed values are named by the axes they run along: a block axis splits
     # where its values' axis does.
-    sharding_rule=("b m k, b" if fmt == "nvfp4" else "b m k") + " -> b m k, b m k, b k m, b k m",
+    sharding_rule=f"a p e m k{scales} -> a e p m k, a e p m k, a e k p m, a e k p m",
   )
   return quantize
 
 
 @functools.cache
-def _batched(fmt: str, interpret: bool):
+def _batched(fmt: str, interpret: bool, row_groups: int):
   @jax.custom_batching.custom_vmap
   def quantize(a: jax.Array, *global_scale) -> tuple[jax.Array, ...]:
-    lead = a.shape[:-2]
-    flat = a.reshape(-1, *a.shape[-2:])  # [prod(lead), M, K]
-    out = _partitioned(fmt, interpret)(flat, *(s.reshape(-1) for s in global_scale))
-    return tuple(o.reshape(*lead, *o.shape[1:]) for o in out)
+    *lead, R, K = a.shape
+    # The innermost batch axis (a stack of experts') lies between the rows' groups and
+    # the rest of the rows where the caller moved it out of the buffer: put it back there.
+    groups = row_groups if lead and (R // row_groups) % BLOCK[fmt] == 0 else 1
+    inner = lead[-1] if groups > 1 else 1
+    outer = math.prod(lead) // inner
+    five = a.reshape(outer, inner, groups, R // groups, K).swapaxes(1, 2)  # [Q1, P, Q2, M, K]
+    scales = (s.reshape(outer, inner, 1) for s in global_scale)
+    out = _partitioned(fmt, interpret)(five, *scales)
+    return tuple(o.reshape(*lead, R if i < 2 else K, -1) for i, o in enumerate(out))
 
   @quantize.def_vmap
   def _vmap(axis_size, in_batched, a, *global_scale):
@@ -228,20 +245,25 @@ def _batched(fmt: str, interpret: bool):
   return quantize
 
 
-def mxfp8_both_ways(a: jax.Array, interpret: bool = False) -> tuple[jax.Array, ...]:
+def mxfp8_both_ways(
+  a: jax.Array, interpret: bool = False, row_groups: int = 1
+) -> tuple[jax.Array, ...]:
   """a [M, K] (M and K multiples of 32) -> (values [M, K] in E4M3, scales [M, K/32] in
-  E8M0, values of a^T [K, M], scales [K, M/32]): a quantized along K, and a^T along M."""
-  vk, sk, vm, sm = _batched("mxfp8", interpret)(a)
+  E8M0, values of a^T [K, M], scales [K, M/32]): a quantized along K, and a^T along M.
+  row_groups: under a vmap, the groups a's rows came in before the vmapped axis was moved
+  out from between them (`_batched`)."""
+  vk, sk, vm, sm = _batched("mxfp8", interpret, row_groups)(a)
   e8m0 = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
   return vk, e8m0(sk), vm, e8m0(sm)
 
 
 def nvfp4_both_ways(
-  a: jax.Array, global_scale: jax.Array, interpret: bool = False
+  a: jax.Array, global_scale: jax.Array, interpret: bool = False, row_groups: int = 1
 ) -> tuple[jax.Array, ...]:
   """a [M, K] (M and K multiples of 16) with its per-tensor scale (a float32 scalar) ->
-  (values [M, K] in E2M1, scales [M, K/16] in E4M3, values of a^T [K, M], scales [K, M/16])."""
-  vk, sk, vm, sm = _batched("nvfp4", interpret)(a, global_scale)
+  (values [M, K] in E2M1, scales [M, K/16] in E4M3, values of a^T [K, M], scales [K, M/16]);
+  row_groups as mxfp8_both_ways'."""
+  vk, sk, vm, sm = _batched("nvfp4", interpret, row_groups)(a, global_scale)
   e2m1 = lambda packed: jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn).reshape(
     *packed.shape[:-1], -1
   )

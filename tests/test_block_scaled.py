@@ -100,12 +100,12 @@ def _both_ways_by_jnp(a, fmt: str):
   return by_k.values, by_k.scales, by_m.values, by_m.scales
 
 
-def _both_ways_by_kernel(a, fmt: str):
+def _both_ways_by_kernel(a, fmt: str, row_groups: int = 1):
   if fmt == "mxfp8":
-    return fused_quantize.mxfp8_both_ways(a, interpret=True)
+    return fused_quantize.mxfp8_both_ways(a, interpret=True, row_groups=row_groups)
   amax = jnp.max(jnp.abs(a)).astype(jnp.float32)  # as block_scaled.both_ways takes it
   scale = jnp.where(amax > 0, amax / (448.0 * 6.0), 1.0)
-  return fused_quantize.nvfp4_both_ways(a, scale, interpret=True)
+  return fused_quantize.nvfp4_both_ways(a, scale, interpret=True, row_groups=row_groups)
 
 
 def _same_bits(got, expected):
@@ -128,6 +128,20 @@ def test_fused_kernel_quantizes_both_ways_as_the_jnp_passes(fmt):
   run = functools.partial(_both_ways_by_kernel, fmt=fmt)
   expected = functools.partial(_both_ways_by_jnp, fmt=fmt)
   _same_bits(jax.jit(jax.vmap(run))(a), jax.vmap(expected)(a))
+
+
+@pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
+def test_fused_kernel_reads_an_expert_buffer_in_place(fmt):
+  """An expert buffer [sequences, experts, slots, D] (as the dispatch all-to-all leaves it),
+  each expert's rows taken as block_scaled's batched einsum takes them (the expert axis
+  moved out and vmapped over): with row_groups = sequences the kernel reads the buffer in
+  its own order and gives each expert's quantization, both ways, as the jnp passes do;
+  also under an outer vmap (the pipeline stages')."""
+  buffer = jax.random.normal(jax.random.key(3), (2, 3, 4, 64, 96), jnp.bfloat16)
+  experts = jnp.moveaxis(buffer, 2, 1).reshape(2, 4, 3 * 64, 96)  # [stage, e, b c, d]
+  run = functools.partial(_both_ways_by_kernel, fmt=fmt, row_groups=3)
+  expected = functools.partial(_both_ways_by_jnp, fmt=fmt)
+  _same_bits(jax.jit(jax.vmap(jax.vmap(run)))(experts), jax.vmap(jax.vmap(expected))(experts))
 
 
 @pytest.mark.parametrize("fmt", block_scaled.FORMAT_NAMES)
