@@ -81,10 +81,14 @@ class Format:
 
 
 FORMATS = {
-  "mxfp8": Format("mxfp8", jnp.float8_e4m3fn, jnp.float8_e8m0fnu, 32, 448.0, 1),
-  "nvfp4": Format("nvfp4", jnp.float4_e2m1fn, jnp.float8_e4m3fn, 16, 6.0, 16),
+  "mxfp8": Format(
+    "mxfp8", jnp.float8_e4m3fn, jnp.float8_e8m0fnu, fused_quantize.BLOCK["mxfp8"], 448.0, 1
+  ),
+  "nvfp4": Format(
+    "nvfp4", jnp.float4_e2m1fn, jnp.float8_e4m3fn, fused_quantize.BLOCK["nvfp4"], 6.0, 16
+  ),
 }
-_E4M3_MAX = 448.0
+_E4M3_MAX = fused_quantize.E4M3_MAX
 
 
 class Quantized(NamedTuple):
@@ -105,6 +109,12 @@ def _check_blocks(R: int, K: int, fmt: Format, tile_rows: int) -> None:
     )
 
 
+def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
+  """NVFP4's per-tensor scale of an operand's amax (float32): its block scales then use
+  E4M3's whole range."""
+  return jnp.where(amax > 0, amax / (_E4M3_MAX * FORMATS["nvfp4"].value_max), 1.0)
+
+
 def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
   """a [R, K] in blocks of fmt.block along K, each block's scale shared by `tile_rows` rows
   (16 x 16 tiles for NVFP4 weights)."""
@@ -116,8 +126,7 @@ def quantize(a: jax.Array, fmt: Format, tile_rows: int = 1) -> Quantized:
   block_amax = jnp.max(jnp.abs(tiles), axis=(1, 3))  # [R / tile_rows, K / block]
   block_amax = block_amax.astype(jnp.float32)
   if fmt.name == "nvfp4":
-    amax = jnp.max(block_amax)
-    global_scale = jnp.where(amax > 0, amax / (_E4M3_MAX * fmt.value_max), 1.0)
+    global_scale = nvfp4_global_scale(jnp.max(block_amax))
     scales = (block_amax / fmt.value_max / global_scale).astype(fmt.scales)
   else:
     global_scale = jnp.ones((), jnp.float32)
@@ -143,8 +152,7 @@ def both_ways(a: jax.Array, fmt: Format, row_groups: int = 1) -> tuple[Quantized
 
   def fused(a):
     if fmt.name == "nvfp4":
-      amax = jnp.max(jnp.abs(a)).astype(jnp.float32)  # as `quantize` takes it
-      scale = jnp.where(amax > 0, amax / (_E4M3_MAX * fmt.value_max), 1.0)
+      scale = nvfp4_global_scale(jnp.max(jnp.abs(a)).astype(jnp.float32))
       quantized = fused_quantize.nvfp4_both_ways(a, scale, row_groups=row_groups)
     else:
       scale = jnp.ones((), jnp.float32)
@@ -308,7 +316,8 @@ def _matmul(
   fmt: Format, row_groups: int, x: jax.Array, w: jax.Array, cached: tuple | None
 ) -> jax.Array:
   """x [M, K] @ w [K, N] -> [M, N] in x.dtype, every GEMM block-scaled; cached: w's
-  (forward, input-gradient) quantizations, made once a step (else made here)."""
+  (forward, input-gradient) quantizations, made once a step (else made here); row_groups:
+  how x's rows are grouped (`_einsum`), for the fused quantization."""
   forward = cached[0] if cached is not None else _weight(w, fmt)
   return _dot(quantize(x, fmt), forward, fmt, x.dtype)
 

@@ -136,7 +136,9 @@ def _call(fmt: str, interpret: bool, a: jax.Array, *global_scale) -> tuple[jax.A
   lead = lambda g: (g // (P * Q2), (g // Q2) % P, g % Q2)
 
   def rows(cols):  # an output tile [bm, cols] of matrix (q1, q2), row group p
-    return pl.BlockSpec((None, None, None, bm, cols), lambda g, i, j: (*_swap(lead(g)), i, j))
+    return pl.BlockSpec(
+      (None, None, None, bm, cols), lambda g, i, j: (lead(g)[0], lead(g)[2], lead(g)[1], i, j)
+    )
 
   def transposed(cols):  # an output tile [bk, cols] of the transposed matrix
     return pl.BlockSpec(
@@ -166,11 +168,6 @@ def _call(fmt: str, interpret: bool, a: jax.Array, *global_scale) -> tuple[jax.A
     interpret=interpret,
   )(*global_scale, a)
   return tuple(quantized)
-
-
-def _swap(lead: tuple) -> tuple:
-  q1, p, q2 = lead
-  return q1, q2, p
 
 
 def _specs(sharding, shape, block: int) -> tuple[tuple, tuple, tuple]:

@@ -103,8 +103,8 @@ def _both_ways_by_jnp(a, fmt: str):
 def _both_ways_by_kernel(a, fmt: str, row_groups: int = 1):
   if fmt == "mxfp8":
     return fused_quantize.mxfp8_both_ways(a, interpret=True, row_groups=row_groups)
-  amax = jnp.max(jnp.abs(a)).astype(jnp.float32)  # as block_scaled.both_ways takes it
-  scale = jnp.where(amax > 0, amax / (448.0 * 6.0), 1.0)
+  # The per-tensor scale as block_scaled.both_ways takes it.
+  scale = block_scaled.nvfp4_global_scale(jnp.max(jnp.abs(a)).astype(jnp.float32))
   return fused_quantize.nvfp4_both_ways(a, scale, interpret=True, row_groups=row_groups)
 
 
