@@ -1,16 +1,19 @@
-"""How long projections of GPT-3 175B take on this machine.
+"""How long projections take on this machine (GPT-3 175B unless told otherwise).
 
-  1. one point end to end, as a user runs it, in a fresh process, first with an empty
-     XLA kernel cache (projection/kernel_cache.py keeps one between runs), then again with the
-     kernel cache the first run left:
+  1. one point end to end, as a user runs it, in a fresh process: first with an empty
+     XLA kernel cache (projection/kernel_cache.py keeps one between runs) and an empty
+     compile cache (projection/disk_cache.py keeps the compiled step's analysis), then with
+     the kernels the first run left and no compile cached, then with both:
        python launch.py --mode=project --experiment=gpt3 --hardware=h100 --gpus=512
-  2. in this process, empty kernel cache: that point cold (compile included), the same
+  2. in this process, empty caches: GPT-3 on 512 H100 cold (compile included), the same
      point again, and another GPU count that reuses the compile;
-  3. a sweep as a user runs it, in a fresh process, empty kernel cache: 8 GPU counts x 6
+  3. a sweep as a user runs it, in a fresh process, empty caches: 8 GPU counts x 6
      generations (--hardware=a100,h100,h200,b200,gb200,gb300), one compile per generation.
 
   python benchmarks/projection_speed.py
   python benchmarks/projection_speed.py --skip_sweep
+  python benchmarks/projection_speed.py --experiment=mlperf_deepseek_v3_671b \
+    --hardware=gb200 --gpus=512 --only_launch
 
 Timings are wall-clock seconds; on a machine shared with other jobs they vary by 2x.
 """
@@ -31,24 +34,28 @@ if ROOT not in sys.path:
 
 from hardware import catalog  # noqa: E402 (imports no jax)
 
-# projection/kernel_cache.py's KERNEL_CACHE_ENV, named here so that the script imports no jax
-# before platform_env has configured it.
+# projection/kernel_cache.py's KERNEL_CACHE_ENV and aot_compile.py's COMPILE_CACHE_ENV,
+# named here so that the script imports no jax before platform_env has configured it.
 KERNEL_CACHE_ENV = "JAX_SCALING_KERNEL_CACHE"
+COMPILE_CACHE_ENV = "JAX_SCALING_COMPILE_CACHE"
 HARDWARE = tuple(catalog.names())
 # Every count leaves data >= 2 (64 GPUs per model replica) and divides the 1,536-sequence
 # batch, so each generation compiles once (data = 1, at 64 GPUs, would compile again).
 GPU_COUNTS = (128, 256, 512, 768, 1024, 1536, 2048, 3072)
 
 
-def _launch(hardware: str, gpus: str, output_dir: str, kernel_cache: str) -> float:
+def _launch(
+  experiment: str, hardware: str, gpus: str, output_dir: str, kernel_cache: str, compiles: str
+) -> float:
   """Seconds for one launch.py projection run in a fresh process."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env[KERNEL_CACHE_ENV] = kernel_cache
+  env[COMPILE_CACHE_ENV] = compiles
   command = [
     sys.executable,
     "launch.py",
     "--mode=project",
-    "--experiment=gpt3",
+    f"--experiment={experiment}",
     f"--hardware={hardware}",
     f"--gpus={gpus}",
     f"--output_dir={output_dir}",
@@ -66,9 +73,10 @@ def _records(output_dir: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
-def _in_process(kernel_cache: str) -> list[tuple[str, float]]:
+def _in_process(kernel_cache: str, compiles: str) -> list[tuple[str, float]]:
   """Cold point, repeated point and a second GPU count, timed in this process."""
   os.environ[KERNEL_CACHE_ENV] = kernel_cache
+  os.environ[COMPILE_CACHE_ENV] = compiles
   start = time.perf_counter()
   import platform_env  # pylint: disable=import-outside-toplevel
 
@@ -98,32 +106,45 @@ def _in_process(kernel_cache: str) -> list[tuple[str, float]]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--experiment", default="gpt3", help="the one point's experiment")
+  parser.add_argument("--hardware", default="h100", help="the one point's GPU")
+  parser.add_argument("--gpus", default="512", help="the one point's GPU count")
   parser.add_argument("--skip_sweep", action="store_true", help="skip the 48-point sweep")
+  parser.add_argument("--only_launch", action="store_true", help="only the fresh-process runs")
   args = parser.parse_args()
+  point = (args.experiment, args.hardware, args.gpus)
+  name = f"{args.experiment}, {args.hardware} x {args.gpus}"
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    cache = os.path.join(tmp, "kernels.bin")
-    rows.append(
-      (
-        "launch.py, one point (h100 x 512), fresh process, empty kernel cache",
-        _launch("h100", "512", tmp, cache),
+    kernels, compiles = os.path.join(tmp, "kernels.bin"), os.path.join(tmp, "compiles")
+    for label, compiles_at in (
+      ("empty kernel and compile caches", compiles),
+      ("kernels cached by the run above, no compile cached", os.path.join(tmp, "none")),
+      ("kernels and compile cached by the runs above", compiles),
+    ):
+      rows.append(
+        (
+          f"launch.py, one point ({name}), fresh process, {label}",
+          _launch(*point, tmp, kernels, compiles_at),
+        )
       )
-    )
-    rows.append(
-      (
-        "launch.py, the same point, fresh process, kernels cached by the run above",
-        _launch("h100", "512", tmp, cache),
-      )
-    )
+  if args.only_launch:
+    _print(rows)
+    return
   # This process saves its kernel cache at exit (projection/kernel_cache.py), before this
   # directory is removed: atexit runs the last registered first.
   tmp = tempfile.mkdtemp()
   atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-  rows += _in_process(os.path.join(tmp, "kernels.bin"))
+  rows += _in_process(os.path.join(tmp, "kernels.bin"), os.path.join(tmp, "compiles"))
   if not args.skip_sweep:
     with tempfile.TemporaryDirectory() as tmp:
       elapsed = _launch(
-        ",".join(HARDWARE), ",".join(map(str, GPU_COUNTS)), tmp, os.path.join(tmp, "kernels.bin")
+        "gpt3",
+        ",".join(HARDWARE),
+        ",".join(map(str, GPU_COUNTS)),
+        tmp,
+        os.path.join(tmp, "kernels.bin"),
+        os.path.join(tmp, "compiles"),
       )
       records = _records(tmp)
     compiles = {}
@@ -137,6 +158,10 @@ def main() -> None:
       )
     )
     rows += [(f"  of which compile, {name}", seconds) for name, seconds in compiles.items()]
+  _print(rows)
+
+
+def _print(rows: list[tuple[str, float]]) -> None:
   width = max(len(label) for label, _ in rows)
   for label, seconds in rows:
     print(f"{label:<{width}}  {seconds:8.2f} s")

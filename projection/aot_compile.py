@@ -6,7 +6,8 @@ options (`FAST_BACKEND`, the kernel cache of projection/kernel_cache.py, the sch
 memory limit `_scheduler_memory`), the step lowered once (`_lowered_step`), the compile
 itself with its memory and program read back (`compile_step`, cached by everything it
 depends on), and, for an experiment with `latency_profile`, a second compile with the
-first program's projected latency profile (`latency_profile`, `compiled_program`).
+first program's projected latency profile (`latency_profile`, `compiled_program`, which
+keeps a CUDA target's on disk, projection/disk_cache.py).
 """
 
 import contextlib
@@ -29,7 +30,7 @@ from hardware import catalog
 from hardware.catalog import Hardware
 from parallelism import sharding
 from parallelism.mesh import AXES
-from projection import cost_model, hlo, kernel_cache, layout, targets
+from projection import cost_model, disk_cache, hlo, kernel_cache, layout, targets
 from train import step as train_step
 
 # Backend settings for deviceless compiles. They change only the kernels' machine code
@@ -54,6 +55,7 @@ class CompiledStep:
   # and the gradients the 1F1B drain reduces (TrainProgram.drain_reduced_bytes): the part
   # that shrinks as the data axis grows from the reduced mesh to the target.
   data_sharded_state_bytes: int = 0
+  cached: bool = False  # read from the compile cache (compiled_program), not compiled
 
 
 def _compile_devices(hw_name: str, devices: int, gpus_per_node: int) -> tuple[list, str, str]:
@@ -227,15 +229,39 @@ def _scheduler_memory(hw_name: str, io_bytes: int) -> dict:
   }
 
 
+# The whole step's analyses kept between runs (disk_cache): $JAX_SCALING_COMPILE_CACHE
+# moves the folder, "off" turns it off.
+COMPILE_CACHE_ENV = "JAX_SCALING_COMPILE_CACHE"
+# The cached CompiledStep's layout: a change of it makes new keys.
+_FORMAT = 1
+
+
 def compiled_program(
   exp, hw: Hardware, reduced: layout.ReducedMesh, collective_s: Callable[[hlo.Collective], float]
 ) -> tuple[CompiledStep, float]:
   """The step the projection costs, and the seconds its compiles took: compiled as
   `reduced` says, then, with exp.latency_profile on a CUDA target, compiled again with the
-  latency profile of that program on `hw`."""
+  latency profile of that program on `hw`. A CUDA target's is kept on disk (disk_cache),
+  keyed by the model, train step, reduced mesh on its target and the GPU's figures (which
+  `collective_s`, collective_timing's timer of `reduced` on `hw`, is made of): the same
+  point projected again reads it back, and its seconds are the read's."""
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
-  args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
   adapters = getattr(exp, "lora", None)  # LoRA fine-tuning (model/lora.py), or None
+  folder = disk_cache.folder(COMPILE_CACHE_ENV, "compiles")
+  parts = (exp.model, train_cfg, adapters, exp.latency_profile, reduced, hw, _FORMAT)
+  path = folder and os.path.join(folder, disk_cache.key(*parts))
+  start = time.perf_counter()
+  cached = disk_cache.read(path, lambda c: isinstance(c, CompiledStep)) if path else None
+  if cached is not None:
+    return dataclasses.replace(cached, cached=True), time.perf_counter() - start
+  step, compile_s = _compiled_twice(exp, hw, reduced, collective_s, train_cfg, adapters)
+  if path and step.compile_target == "cuda":
+    disk_cache.write(path, step)
+  return step, compile_s
+
+
+def _compiled_twice(exp, hw, reduced, collective_s, train_cfg, adapters):
+  args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
   step = compile_step(*args, adapters=adapters)
   if not exp.latency_profile:
     return step, step.compile_s

@@ -21,10 +21,10 @@ step_loops.bubble_s reads it from that simulation. Memory is linear too: a rank'
 residual slots are V P + 2 P - 1 for V >= 2 and two groups or more
 (one_f_one_b.schedule), P V for one group.
 
-The pieces' analyses are cached on disk (`$JAX_SCALING_COMPOSE_CACHE`, else a folder
-beside XLA's kernel cache, projection/kernel_cache.py), keyed by what the compiled
-programs depend on: the model with C layers, the train step's fields, the reduced mesh,
-the GPU, the jax version and the code that builds and costs them. The data size is not
+The pieces' analyses are cached on disk (projection/disk_cache.py:
+`$JAX_SCALING_COMPOSE_CACHE`, else a folder beside XLA's kernel cache), keyed by what the
+compiled programs depend on: the model with C layers, the train step's fields, the reduced
+mesh, the GPU, the jax version and the code that builds and costs them. The data size is not
 in the key: a piece's latency profile (aot_compile.latency_profile) is taken on the
 reduced mesh itself, and its collectives are re-placed on the target when costed, as in
 a full projection.
@@ -34,14 +34,8 @@ benchmarks/compose_check.py prints the two side by side.
 """
 
 import dataclasses
-import functools
-import glob
-import hashlib
 import os
-import pickle
 import re
-
-import jax
 
 from errors import UserInputError
 from hardware.catalog import Hardware
@@ -50,8 +44,8 @@ from projection import (
   aot_compile,
   collective_timing,
   cost_model,
+  disk_cache,
   hlo,
-  kernel_cache,
   layout,
   step_loops,
 )
@@ -68,9 +62,6 @@ from records.points import Composition, ProjectedPoint
 NEAR_CAPACITY = 0.79
 # The cached pieces' layout (Piece): a change of it makes new keys.
 _FORMAT = 2
-# The packages whose code shapes a piece's compiled program and its analysis: an edit of
-# any of them makes new keys, so pieces compiled by other code are never read back.
-_CODE_PACKAGES = ("model", "parallelism", "train", "projection", "hardware")
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
 
 _FILL, _STEADY, _DRAIN, _REDUCE = (
@@ -119,12 +110,6 @@ class Piece:
   compile_target: str
   compile_note: str | None
   compile_s: float
-
-
-def cache_dir() -> str:
-  return os.environ.get(CACHE_ENV) or os.path.join(
-    os.path.dirname(kernel_cache.DEFAULT_KERNEL_CACHE), "compose"
-  )
 
 
 def layers_per_chunk(exp, stages: int) -> int:
@@ -187,7 +172,7 @@ def _key(
   chunk_layers: int,
   shapes: tuple[tuple[int, int], ...],
 ) -> str:
-  parts = (
+  return disk_cache.key(
     dataclasses.replace(exp.model, num_layers=chunk_layers),
     dataclasses.replace(exp.train, virtual_stages=0, global_batch=0, steps=0),
     exp.latency_profile,
@@ -196,37 +181,15 @@ def _key(
     hw.name,
     hw.gpus_per_node,
     shapes,
-    jax.__version__,
     _FORMAT,
-    _code_digest(),
   )
-  return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
-
-
-@functools.cache
-def _code_digest() -> str:
-  """A digest of the Python sources in _CODE_PACKAGES (read once a process)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  digest = hashlib.sha256()
-  for package in _CODE_PACKAGES:
-    for path in sorted(glob.glob(os.path.join(root, package, "**", "*.py"), recursive=True)):
-      digest.update(os.path.relpath(path, root).encode())
-      with open(path, "rb") as f:
-        digest.update(f.read())
-  return digest.hexdigest()
 
 
 def cached_pieces(path: str) -> list[Piece] | None:
-  """The pieces cached at `path`, or None when there are none: a missing, truncated,
-  corrupt or foreign file is compiled anew (and replaced), never an error."""
-  try:
-    with open(path, "rb") as f:
-      cached = pickle.load(f)
-  except Exception:  # pylint: disable=broad-except (unpickling garbage raises anything)
-    return None
-  if isinstance(cached, list) and cached and all(isinstance(p, Piece) for p in cached):
-    return cached
-  return None
+  """The pieces cached at `path`, or None when there are none (disk_cache.read)."""
+  return disk_cache.read(
+    path, lambda c: isinstance(c, list) and c and all(isinstance(p, Piece) for p in c)
+  )
 
 
 def pieces(
@@ -239,8 +202,9 @@ def pieces(
   canonical = _canonical(exp, hw, reduced)
   if canonical.sizes != reduced.sizes:  # a target whose data axis is below the reduced one's
     canonical = reduced
-  path = os.path.join(cache_dir(), f"{_key(exp, hw, canonical, chunk_layers, shapes)}.pkl")
-  cached = cached_pieces(path)
+  folder = disk_cache.folder(CACHE_ENV, "compose")
+  path = folder and os.path.join(folder, _key(exp, hw, canonical, chunk_layers, shapes))
+  cached = cached_pieces(path) if path else None
   if cached is not None:
     return cached, True
   timer = collective_timing.collective_timer(canonical, hw)
@@ -268,11 +232,8 @@ def pieces(
         compile_s,
       )
     )
-  os.makedirs(cache_dir(), exist_ok=True)
-  partial = f"{path}.{os.getpid()}"
-  with open(partial, "wb") as f:
-    pickle.dump(found, f)
-  os.replace(partial, path)  # atomic: a reader sees no file or the whole one
+  if path:
+    disk_cache.write(path, found)
   return found, False
 
 
@@ -399,6 +360,7 @@ def composed(exp, target: Target) -> ProjectedPoint:
     target_memory_gb(memory, split_state, reduced),
     hlo.uses_fp8(found[0].program),
     hlo.uses_fp4(found[0].program),
+    cached,
   )
   composition = Composition([list(s) for s in shapes], layers_per_chunk(exp, stages), cached)
   return record(exp, hw, reduced, compiled, timing, "composed", composition)

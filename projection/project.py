@@ -76,7 +76,9 @@ def whole(exp, target: Target) -> ProjectedPoint:
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, _virtual(exp, reduced)
   )
   memory_gb = target_memory_gb(step.memory_per_device_bytes, step.data_sharded_state_bytes, reduced)
-  compiled = _compiled(program, memory_gb, step.compile_target, step.note, compile_s)
+  compiled = _compiled(
+    program, memory_gb, step.compile_target, step.note, compile_s, cached=step.cached
+  )
   return _costed_record(exp, target, timer, program, compiled)
 
 
@@ -101,7 +103,12 @@ def _virtual(exp, reduced) -> int:
 
 
 def _compiled(
-  program: hlo.Program, memory_gb: float, compile_target: str, note: str | None, compile_s: float
+  program: hlo.Program,
+  memory_gb: float,
+  compile_target: str,
+  note: str | None,
+  compile_s: float,
+  cached: bool = False,
 ) -> Compiled:
   return Compiled(
     compile_target,
@@ -112,6 +119,7 @@ def _compiled(
     memory_gb,
     hlo.uses_fp8(program),
     hlo.uses_fp4(program),
+    cached,
   )
 
 

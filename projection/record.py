@@ -25,6 +25,7 @@ class Compiled:
   memory_gb: float
   uses_fp8: bool
   uses_fp4: bool
+  cached: bool = False  # the program read from disk (projection/disk_cache.py), not compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,7 @@ def record(
     compile_target=compiled.compile_target,
     compile_note=compiled.compile_note,
     compile_s=round(compiled.compile_s, 3),
+    compile_cached=compiled.cached,
     how=how,
     hlo_flops_per_device=compiled.flops,
     hlo_flops_per_step=compiled.flops * gpus,

@@ -181,7 +181,8 @@ class ProjectedPoint:
   remat: str
   compile_target: str
   compile_note: str | None
-  compile_s: float
+  compile_s: float  # the seconds this run spent compiling (0 or about it when cached)
+  compile_cached: bool  # the program (or its pieces) read from disk, not compiled
   how: str  # "full" (compiled whole) or "composed" (projection/project.py)
   hlo_flops_per_device: float
   hlo_flops_per_step: float

@@ -105,6 +105,11 @@ def projection_table(records: list) -> str:
   ]
   for note in sorted({r["compile_note"] for r in records if r["compile_note"]}):
     lines.append(f"note: compiled on host CPU devices: {note}")
+  if any(r.get("compile_cached") for r in records):
+    lines.append(
+      "note: compiled programs read from the compile cache (projection/disk_cache.py; "
+      "JAX_SCALING_COMPILE_CACHE=off compiles anew)"
+    )
   return "\n".join(lines)
 
 

@@ -45,6 +45,10 @@ else:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_OWNER]
   atexit.register(shutil.rmtree, os.environ[_CACHE_OWNER], ignore_errors=True)
 
+# Deviceless compiles are not kept on disk (projection/aot_compile.py): a test that patches
+# what a compile reads must not leave its program for another test, or for the user's runs.
+os.environ["JAX_SCALING_COMPILE_CACHE"] = "off"
+
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_cpu_use_fusion_emitters" not in _FLAGS:
   os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_cpu_use_fusion_emitters=false".strip()

@@ -8,7 +8,7 @@ from projected import projected
 
 from errors import UserInputError
 from parallelism.mesh import MeshConfig
-from projection import aot_compile, compose, targets
+from projection import aot_compile, compose, disk_cache, targets
 from train.config import TrainConfig
 
 _CUDA, _WHY = targets.cuda_available()
@@ -62,7 +62,7 @@ def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, mon
   assert again["step_time_s"] == composed["step_time_s"]  # same pieces, same arithmetic
 
   # Pieces compiled by other code are not read back: another code digest compiles anew.
-  monkeypatch.setattr(compose, "_code_digest", lambda: "other code")
+  monkeypatch.setattr(disk_cache, "code_digest", lambda: "other code")
   with pytest.raises(AssertionError, match="compiled again"):
     projected(toy, "h100", 64, "composed")
 

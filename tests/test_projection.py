@@ -38,6 +38,7 @@ from projection import (
   collective_timing,
   collectives,
   cost_model,
+  disk_cache,
   hlo,
   layout,
   project,
@@ -139,6 +140,28 @@ def test_gpu_counts_share_one_compile_and_match_a_direct_compile(small):
   assert _rel(r128["step_time_s"], direct["step_time_s"]) < 0.02
   assert r128["hlo_matmul_flops_per_step"] == direct["hlo_matmul_flops_per_step"]
   assert r128["memory_per_gpu_gb"] == pytest.approx(direct["memory_per_gpu_gb"], rel=0.05)
+
+
+@deviceless
+def test_a_projected_point_is_read_back_from_the_compile_cache(small, tmp_path, monkeypatch):
+  monkeypatch.setenv(aot_compile.COMPILE_CACHE_ENV, str(tmp_path))
+  first = projected(small, "h100", 64)
+  assert len(list(tmp_path.iterdir())) == 1
+
+  def no_compile(*args, **kwargs):
+    raise AssertionError("compiled again")
+
+  monkeypatch.setattr(aot_compile, "compile_step", no_compile)
+  again = projected(small, "h100", 64)
+  assert (first["compile_cached"], again["compile_cached"]) == (False, True)
+  for field in ("step_time_s", "memory_per_gpu_gb", "hlo_matmul_flops_per_step", "breakdown"):
+    assert again[field] == first[field]  # the same program, costed by the same arithmetic
+  # Another target (the timer places collectives on it) and other code make other keys.
+  with pytest.raises(AssertionError, match="compiled again"):
+    projected(small, "h100", 128)
+  monkeypatch.setattr(disk_cache, "code_digest", lambda: "other code")
+  with pytest.raises(AssertionError, match="compiled again"):
+    projected(small, "h100", 64)
 
 
 @deviceless
