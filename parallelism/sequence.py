@@ -51,8 +51,9 @@ class Tensor(NamedTuple):
   # output is one (an exit: the attention output projection, fc2).
   entry: bool
   exit: bool
-  # A shard [b, T/t, ...] -> the whole [b, T, ...] along the sequence, and its transpose,
-  # partial sums [b, T, ...] -> this rank's shard of their sum over the group.
+  # A shard [b, T/t, ...] (or [T/t, b, ...]) -> the whole [b, T, ...] along the sequence,
+  # and its transpose, partial sums [b, T, ...] -> this rank's shard of their sum over the
+  # group.
   gather: Callable[[jax.Array], jax.Array]
   scatter: Callable[[jax.Array], jax.Array]
 
@@ -141,10 +142,11 @@ def matmul(
   tensor_in_fn: bool = False,
   whole_mesh: bool = False,
 ) -> jax.Array:
-  """fn(spec, x, w) at a tensor-parallel region's boundary, the sequence on axis 1.
+  """fn(spec, x, w) at a tensor-parallel region's boundary, the sequence on axis 1 (or 0,
+  where the region runs sequence-major: model/gpt.py `_sequence_major`).
 
-  Entry (x_axes[1] is `act_seq`): x is all-gathered along the sequence first. Exit
-  (out_axes[1] is `act_seq`): the partial sums are reduce-scattered along it. With
+  Entry (x_axes names `act_seq`): x is all-gathered along the sequence first. Exit
+  (out_axes names `act_seq`): the partial sums are reduce-scattered along it. With
   tensor_in_fn fn runs both itself, given the group as `tensor=Tensor(...)`
   (model/fp8.py moves its FP8 casts and reduces its amaxes over the group). Outside a
   mesh: the plain fn.
@@ -158,20 +160,21 @@ def matmul(
     return fn(spec, x, w)
 
   # Each collective is the other's transpose: both cross as rules.on_wire says.
-  entry, exit_ = x_axes[1] == SEQUENCE, out_axes[1] == SEQUENCE
+  entry, exit_ = SEQUENCE in x_axes[:2], SEQUENCE in out_axes[:2]
+  along = tuple(x_axes if entry else out_axes).index(SEQUENCE) if entry or exit_ else 1
   # The logical axes of the tensor split along the sequence: the input at an entry, the
   # output at an exit (a matmul is one or the other); its gradient crosses the other way.
   sharded_axes = x_axes if entry else out_axes
 
   def all_gather(x):
     def gather(x):
-      return jax.lax.all_gather(rules.on_wire(x), TENSOR, axis=1, tiled=True)
+      return jax.lax.all_gather(rules.on_wire(x), TENSOR, axis=along, tiled=True)
 
     return _on_own_shards(gather, x, sharded_axes, automatic)(x).astype(x.dtype)
 
   def reduce_scatter(y):
     def scatter(y):
-      return jax.lax.psum_scatter(rules.on_wire(y), TENSOR, scatter_dimension=1, tiled=True)
+      return jax.lax.psum_scatter(rules.on_wire(y), TENSOR, scatter_dimension=along, tiled=True)
 
     return _on_own_shards(scatter, y, sharded_axes, automatic)(y).astype(y.dtype)
 

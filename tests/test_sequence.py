@@ -4,12 +4,14 @@ each replica on its own tokens (issue 32: the batch was gathered over `data` fir
 
 import dataclasses
 import math
+import re
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
+from model import gpt
 from parallelism.mesh import AXES
 from projection import aot_compile, hlo_text, targets
 from tests.small_models import SMALL_LLAMA
@@ -101,3 +103,45 @@ def test_fp8_regions_gather_fp8_both_ways_on_h100():
   ]
   assert "f8e4m3fn" in gathered and "f8e5m2" in gathered, gathered
   assert not [t for t in gathered if t in ("bf16", "f32")], gathered
+
+
+def _whole_sequence_transposes(text: str, elements: int) -> int:
+  """Kernels that transpose (fusions XLA names after their root transpose) and write at
+  least `elements` values: passes over a whole sequence of activations."""
+  comps, _, _, _ = hlo_text.parse_module(text)
+  count = 0
+  for comp in comps.values():
+    for ins in comp.instrs:
+      dims = [int(d) for d in re.findall(r"\d+", ins.shape.split("{")[0].split("]")[0])]
+      if ins.opcode == "fusion" and "transpose" in ins.name and math.prod(dims) >= elements:
+        count += 1
+  return count
+
+
+@pytest.mark.skipif(not _CUDA, reason=f"no deviceless CUDA: {_WHY}")
+def test_sequence_major_regions_drop_whole_sequence_transposes_on_h100(monkeypatch):
+  """At more than one sequence a micro-batch the attention output projection and the MLP
+  run sequence-major (model/gpt.py `_sequence_major`), so their collectives along the
+  sequence split and join the leading axis: XLA no longer transposes whole sequences of
+  the exits' products and the MLP's gathered input around them."""
+  sizes = dict(data=2, fsdp=1, expert=1, context=1, tensor=2, pipeline=1)
+  model = dataclasses.replace(SMALL_LLAMA, sequence_parallel=True, fp8=True, num_layers=2)
+  train = TrainConfig(global_batch=8, micro_batch=2, steps=1)
+  mesh = Mesh(
+    np.asarray(targets.target_devices("h100", 1, 4), dtype=object).reshape(
+      [sizes[a] for a in AXES]
+    ),
+    AXES,
+    axis_types=(AxisType.Auto,) * 6,
+  )
+
+  def transposes() -> int:
+    lowered = train_step.build(model, train, mesh).lower(train.global_batch, model.seq_len)
+    text = lowered.compile(compiler_options=dict(aot_compile.FAST_BACKEND)).as_text()
+    # A micro-batch's tokens on one replica, every feature: 2 x 16 x 32.
+    return _whole_sequence_transposes(text, train.micro_batch * model.seq_len * model.d_model)
+
+  sequence_major = transposes()
+  monkeypatch.setattr(gpt, "_sequence_major", lambda cfg, batch: (lambda a: a,) * 3)
+  batch_major = transposes()
+  assert sequence_major < batch_major, (sequence_major, batch_major)
