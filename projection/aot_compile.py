@@ -6,8 +6,8 @@ options (`FAST_BACKEND`, the kernel cache of projection/kernel_cache.py, the sch
 memory limit `_scheduler_memory`), the step lowered once (`_lowered_step`), the compile
 itself with its memory and program read back (`compile_step`, cached by everything it
 depends on), and, for an experiment with `latency_profile`, a second compile with the
-first program's projected latency profile (`latency_profile`, `compiled_program`, which
-keeps a CUDA target's on disk, projection/disk_cache.py).
+first program's projected latency profile (`latency_profile`, `compiled_program`), kept on
+disk for a CUDA target (`cached_program`, projection/disk_cache.py).
 """
 
 import contextlib
@@ -236,31 +236,36 @@ COMPILE_CACHE_ENV = "JAX_SCALING_COMPILE_CACHE"
 _FORMAT = 1
 
 
-def compiled_program(
+def cached_program(
   exp, hw: Hardware, reduced: layout.ReducedMesh, collective_s: Callable[[hlo.Collective], float]
 ) -> tuple[CompiledStep, float]:
-  """The step the projection costs, and the seconds its compiles took: compiled as
-  `reduced` says, then, with exp.latency_profile on a CUDA target, compiled again with the
-  latency profile of that program on `hw`. A CUDA target's is kept on disk (disk_cache),
-  keyed by the model, train step, reduced mesh on its target and the GPU's figures (which
-  `collective_s`, collective_timing's timer of `reduced` on `hw`, is made of): the same
-  point projected again reads it back, and its seconds are the read's."""
+  """compiled_program, a CUDA target's kept on disk (disk_cache), keyed by the model, train
+  step, reduced mesh on its target and the GPU's figures (which `collective_s`,
+  collective_timing's timer of `reduced` on `hw`, is made of): the same point projected
+  again reads it back, and its seconds are the read's. (projection/compose.py keeps its
+  pieces in a cache of their own.)"""
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
-  adapters = getattr(exp, "lora", None)  # LoRA fine-tuning (model/lora.py), or None
   folder = disk_cache.folder(COMPILE_CACHE_ENV, "compiles")
-  parts = (exp.model, train_cfg, adapters, exp.latency_profile, reduced, hw, _FORMAT)
-  path = folder and os.path.join(folder, disk_cache.key(*parts))
+  parts = (exp.model, train_cfg, getattr(exp, "lora", None), exp.latency_profile, reduced, hw)
+  path = folder and os.path.join(folder, disk_cache.key(*parts, _FORMAT))
   start = time.perf_counter()
   cached = disk_cache.read(path, lambda c: isinstance(c, CompiledStep)) if path else None
   if cached is not None:
     return dataclasses.replace(cached, cached=True), time.perf_counter() - start
-  step, compile_s = _compiled_twice(exp, hw, reduced, collective_s, train_cfg, adapters)
+  step, compile_s = compiled_program(exp, hw, reduced, collective_s)
   if path and step.compile_target == "cuda":
     disk_cache.write(path, step)
   return step, compile_s
 
 
-def _compiled_twice(exp, hw, reduced, collective_s, train_cfg, adapters):
+def compiled_program(
+  exp, hw: Hardware, reduced: layout.ReducedMesh, collective_s: Callable[[hlo.Collective], float]
+) -> tuple[CompiledStep, float]:
+  """The step the projection costs, and the seconds its compiles took: compiled as
+  `reduced` says, then, with exp.latency_profile on a CUDA target, compiled again with the
+  latency profile of that program on `hw`."""
+  train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
+  adapters = getattr(exp, "lora", None)  # LoRA fine-tuning (model/lora.py), or None
   args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
   step = compile_step(*args, adapters=adapters)
   if not exp.latency_profile:

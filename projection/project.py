@@ -71,7 +71,7 @@ def whole(exp, target: Target) -> ProjectedPoint:
   compile)."""
   hw, reduced = target.hardware, target.reduced
   timer = collective_timing.collective_timer(reduced, hw)
-  step, compile_s = aot_compile.compiled_program(exp, hw, reduced, timer)
+  step, compile_s = aot_compile.cached_program(exp, hw, reduced, timer)
   program = step_loops.with_micro_batches(
     step.program, reduced.compiled_micro_batches, reduced.micro_batches, _virtual(exp, reduced)
   )
