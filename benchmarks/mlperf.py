@@ -220,11 +220,15 @@ HEADERS = (
 
 
 def _print_split(label: str, result: dict) -> None:
-  by_axis = result["if_fit"]["breakdown"]["exposed_comm_by_axis_s"]
-  axes = sorted(((a, s) for a, s in by_axis.items() if s >= 0.005), key=lambda kv: -kv[1])
+  breakdown = result["if_fit"]["breakdown"]
+  largest = lambda parts: sorted(
+    ((k, s) for k, s in parts.items() if s >= 0.005), key=lambda kv: -kv[1]
+  )
   print(
     f"  {label}: exposed comm by mesh axis "
-    + ", ".join(f"{a} {s:.2f}" for a, s in axes)
+    + ", ".join(f"{a} {s:.2f}" for a, s in largest(breakdown["exposed_comm_by_axis_s"]))
+    + " s; by collective and place "
+    + ", ".join(f"{k} {s:.2f}" for k, s in largest(breakdown["exposed_comm_by_place_s"])[:4])
     + " s; memory-bound in the pipeline loops "
     + ", ".join(f"{k} {v:.2f}" for k, v in list(result["memory_bound"].items())[:6])
     + " s"

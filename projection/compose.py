@@ -333,7 +333,11 @@ def composed(exp, target: Target) -> ProjectedPoint:
     # Each part simulated once; the bubble is read from the loops' simulation.
     fields = len(dataclasses.astuple(cost_model.ZERO))
     trip_s: dict[str, float] = {}
-    simulated = {id(p): cost_model.simulate(p.entry, hw, timer, trip_s) for p in (*outside, loops)}
+    by_place = {id(p): {} for p in (*outside, loops)}
+    simulated = {
+      id(p): cost_model.simulate(p.entry, hw, timer, trip_s, by_place[id(p)])
+      for p in (*outside, loops)
+    }
     costs = {k: dataclasses.astuple(v) for k, v in simulated.items()}
     cost = cost_model.StepCost(*(summed(lambda p, i=i: costs[id(p)][i]) for i in range(fields)))
     by_axis = {
@@ -342,11 +346,15 @@ def composed(exp, target: Target) -> ProjectedPoint:
       )
       for p in (*outside, loops)
     }
-    axes = sorted(set().union(*by_axis.values()))
+    summed_keys = lambda parts: {
+      k: summed(lambda p, k=k: parts[id(p)].get(k, 0.0))
+      for k in sorted(set().union(*parts.values()))
+    }
     return Timing(
       cost,
       step_loops.bubble_s(loops, hw, timer, micro, stages, virtual, trip_s),
-      {a: summed(lambda p, a=a: by_axis[id(p)].get(a, 0.0)) for a in axes},
+      summed_keys(by_axis),
+      summed_keys(by_place),
     )
 
   memory = _extrapolate([p.memory_per_device_bytes for p in found], shapes, virtual, groups)

@@ -17,9 +17,13 @@ order, and a communication stream that runs asynchronous collectives one after a
 The step time is the compute stream's finish. Breakdown: compute_s (op time),
 exposed_comm_s (waiting on collectives), other_s (kernel launches); memory_bound_s is the
 part of compute_s spent in ops whose HBM traffic, not their FLOPs, sets their time.
+`simulate` can also split exposed_comm_s by the collective waited for and where it runs
+(`place`): "all-gather in step" waits outside every loop, "reduce-scatter in
+pipeline_drain_reduce" inside the loop of that name scope.
 """
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
 
 from hardware.catalog import Hardware
@@ -78,18 +82,47 @@ def op_time_s(op: hlo.Compute, hw: Hardware) -> float:
   return max(op_times_s(op, hw))
 
 
+# Transformations that wrap a name scope in an op_name path ("vmap(vmap(pipeline_fill))");
+# jit(f) names a function, not a scope.
+_WRAPPERS = re.compile(r"^(?:[a-z_]+\()+")
+
+
+def place(loop: hlo.Loop | None) -> str:
+  """Where a collective runs, for `simulate`'s exposed_at: "step" outside every loop, else
+  the innermost loop's name scope, the op_name's last scope before "/while"
+  ("jit(f)/vmap(vmap(pipeline_fill))/while" -> pipeline_fill), or "loop" where it has none."""
+  if loop is None:
+    return "step"
+  parts = loop.op_name.split("/")
+  last = parts[-2] if len(parts) > 1 and parts[-1] == "while" else ""
+  if not last or last.startswith(("jit(", "pjit(")):
+    return "loop"
+  return _WRAPPERS.sub("", last).rstrip(")") or "loop"
+
+
 def simulate(
   nodes: Iterable[hlo.Node],
   hw: Hardware,
   collective_s: Callable[[hlo.Collective], float],
   trip_s: dict[str, float] | None = None,
+  exposed_at: dict[str, float] | None = None,
+  where: str = "step",
 ) -> StepCost:
   """The program's cost; with `trip_s`, each loop's time per trip is written there by the
-  loop's name (what projection/step_loops.py's bubble_s reads of the same simulation)."""
+  loop's name (what projection/step_loops.py's bubble_s reads of the same simulation);
+  with `exposed_at`, the exposed time is added there by "<collective kind> in <place>"
+  (loops' trips counted), summing to exposed_comm_s. `where`: the place of `nodes`."""
   launch_s = hw.kernel_launch_us * 1e-6
+  waits = {} if exposed_at is not None else None  # this level's, by key
+
+  def waited(node: hlo.Collective, seconds: float) -> None:
+    if waits is not None and seconds > 0:
+      key = f"{node.kind} in {where}"
+      waits[key] = waits.get(key, 0.0) + seconds
+
   now = comm_free = 0.0
   compute = exposed = other = comm = memory_bound = 0.0
-  pending: dict[str, float] = {}  # async collective -> when it finishes
+  pending: dict[str, tuple[float, hlo.Collective]] = {}  # async collective -> its finish
   total = ZERO
   for node in nodes:
     if isinstance(node, hlo.Compute):
@@ -105,21 +138,28 @@ def simulate(
       begin = max(now, comm_free)
       comm_free = begin + duration
       if node.is_async and not node.xla_sync:
-        pending[node.name] = comm_free
+        pending[node.name] = (comm_free, node)
       else:
         exposed += comm_free - now
+        waited(node, comm_free - now)
         now = comm_free
     elif isinstance(node, hlo.AsyncDone):
-      finish = pending.pop(node.start, now)
+      finish, started = pending.pop(node.start, (now, None))
       if finish > now:
         exposed += finish - now
+        waited(started, finish - now)
         now = finish
     elif isinstance(node, hlo.Loop):
-      trip = simulate(node.body, hw, collective_s, trip_s)
+      body_waits = {} if waits is not None else None
+      trip = simulate(node.body, hw, collective_s, trip_s, body_waits, place(node))
       if trip_s is not None:
         trip_s[node.name] = trip.step_s
+      for key, seconds in (body_waits or {}).items():
+        waits[key] = waits.get(key, 0.0) + seconds * node.trip_count
       body = trip.scaled(node.trip_count)
       total = total + body
       now += body.step_s
       comm_free = max(comm_free, now)
+  for key, seconds in (waits or {}).items():
+    exposed_at[key] = exposed_at.get(key, 0.0) + seconds
   return total + StepCost(now - total.step_s, compute, exposed, other, comm, memory_bound)

@@ -36,6 +36,7 @@ class Timing:
   cost: cost_model.StepCost
   bubble_s: float
   exposed_comm_by_axis_s: dict[str, float]
+  exposed_comm_by_place_s: dict[str, float]  # cost_model.simulate's exposed_at
 
 
 def target_memory_gb(
@@ -60,10 +61,11 @@ def costed(
   from the loops' trip times that simulation gives. Exposed communication by mesh axis is
   the step less the step with that axis's collectives free (one more simulation an axis)."""
   trip_s: dict[str, float] = {}
-  cost = cost_model.simulate(program.entry, hw, timer, trip_s)
+  by_place: dict[str, float] = {}
+  cost = cost_model.simulate(program.entry, hw, timer, trip_s, by_place)
   bubble = step_loops.bubble_s(program, hw, timer, micro_batches, stages, virtual_stages, trip_s)
   by_axis = collective_timing.exposed_comm_by_axis_s(program, hw, reduced, timer, cost.step_s)
-  return Timing(cost, bubble, by_axis)
+  return Timing(cost, bubble, by_axis, by_place)
 
 
 def routing(model) -> str:
@@ -162,7 +164,9 @@ def record(
     # also cover (its ops and waits are counted there too).
     # memory_bound_s is the part of compute_s whose time HBM traffic sets, the rest
     # being matmuls (and any op) at the FLOP rate; exposed_comm_by_axis_s splits
-    # exposed_comm_s by the mesh axes of its collectives.
+    # exposed_comm_s by the mesh axes of its collectives (what freeing an axis saves),
+    # exposed_comm_by_place_s by the collective waited for and where it runs ("all-gather
+    # in step": outside every loop; it adds up to exposed_comm_s).
     breakdown={
       "compute_s": cost.compute_s,
       "exposed_comm_s": cost.exposed_comm_s,
@@ -170,6 +174,7 @@ def record(
       "bubble_s": timed.bubble_s,
       "memory_bound_s": cost.memory_bound_s,
       "exposed_comm_by_axis_s": timed.exposed_comm_by_axis_s,
+      "exposed_comm_by_place_s": timed.exposed_comm_by_place_s,
     },
     comm_s=cost.comm_s,
   )

@@ -205,8 +205,8 @@ class ProjectedPoint:
   tokens_per_s_per_device: float | None = None
   model_tflops_per_device: float | None = None
   mfu: float | None = None
-  # compute_s, exposed_comm_s, other_s, bubble_s, memory_bound_s, exposed_comm_by_axis_s
-  # (their meaning: projection/record.py).
+  # compute_s, exposed_comm_s, other_s, bubble_s, memory_bound_s, exposed_comm_by_axis_s,
+  # exposed_comm_by_place_s (their meaning: projection/record.py).
   breakdown: dict | None = None
   comm_s: float | None = None
   # A mixture of experts: how the projection takes the routing (projection/record.py).

@@ -51,6 +51,11 @@ def test_composed_matches_the_full_compile_and_hits_its_cache(toy, tmp_path, mon
   # The bubble is (P - 1) fill and drain trips of loop bodies that XLA compiles the same in
   # the piece and in the whole step: equal up to float rounding.
   assert composed["breakdown"]["bubble_s"] == pytest.approx(reference["breakdown"]["bubble_s"])
+  # Exposed time by collective and place is extrapolated like exposed_comm_s, key by key:
+  # the parts add up to it (float rounding).
+  for point in (composed, reference):
+    parts = point["breakdown"]["exposed_comm_by_place_s"]
+    assert sum(parts.values()) == pytest.approx(point["breakdown"]["exposed_comm_s"])
 
   # The second time the pieces come from disk: nothing is compiled.
   def no_compile(*args, **kwargs):

@@ -310,6 +310,25 @@ def test_sync_collective_waits_for_the_communication_stream():
   assert cost.step_s == cost.exposed_comm_s == 2.0 and cost.comm_s == 2.0
 
 
+def test_exposed_time_is_split_by_collective_and_the_loop_it_waits_in():
+  one_second = lambda node: 1.0
+  gather = hlo.Collective("g", "all-gather", 1, "bf16", ((0, 1),), is_async=True)
+  scatter = hlo.Collective("r", "reduce-scatter", 1, "bf16", ((0, 1),), is_async=True)
+  body = (scatter, hlo.AsyncDone("r-done", "r"))
+  drain = hlo.Loop("while.7", 3, body, "backend_config", "jit(f)/vmap(pipeline_drain)/while")
+  unnamed = hlo.Loop("while.8", 2, body, "backend_config", "jit(f)/while")
+  nodes = (gather, hlo.AsyncDone("g-done", "g"), drain, unnamed)
+  by_place: dict[str, float] = {}
+  cost = cost_model.simulate(nodes, H100, one_second, exposed_at=by_place)
+  # Nothing computes beside them: each collective is waited for whole, every trip.
+  assert by_place == {
+    "all-gather in step": 1.0,
+    "reduce-scatter in pipeline_drain": 3.0,
+    "reduce-scatter in loop": 2.0,
+  }
+  assert sum(by_place.values()) == cost.exposed_comm_s == 6.0
+
+
 def test_memory_bound_time_is_the_part_of_compute_that_hbm_sets():
   text = """HloModule m, is_scheduled=true
 
