@@ -55,7 +55,7 @@ class CompiledStep:
   # and the gradients the 1F1B drain reduces (TrainProgram.drain_reduced_bytes): the part
   # that shrinks as the data axis grows from the reduced mesh to the target.
   data_sharded_state_bytes: int = 0
-  cached: bool = False  # read from the compile cache (compiled_program), not compiled
+  cached: bool = False  # read from the compile cache (cached_program), not compiled
 
 
 def _compile_devices(hw_name: str, devices: int, gpus_per_node: int) -> tuple[list, str, str]:
@@ -265,8 +265,8 @@ def compiled_program(
   `reduced` says, then, with exp.latency_profile on a CUDA target, compiled again with the
   latency profile of that program on `hw`."""
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
-  adapters = getattr(exp, "lora", None)  # LoRA fine-tuning (model/lora.py), or None
   args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
+  adapters = getattr(exp, "lora", None)  # LoRA fine-tuning (model/lora.py), or None
   step = compile_step(*args, adapters=adapters)
   if not exp.latency_profile:
     return step, step.compile_s

@@ -107,18 +107,19 @@ def simulate(
   trip_s: dict[str, float] | None = None,
   exposed_at: dict[str, float] | None = None,
   where: str = "step",
+  runs: int = 1,
 ) -> StepCost:
   """The program's cost; with `trip_s`, each loop's time per trip is written there by the
   loop's name (what projection/step_loops.py's bubble_s reads of the same simulation);
-  with `exposed_at`, the exposed time is added there by "<collective kind> in <place>"
-  (loops' trips counted), summing to exposed_comm_s. `where`: the place of `nodes`."""
+  with `exposed_at`, the exposed time is added there by "<collective kind> in <place>",
+  summing to exposed_comm_s. `where` and `runs`: the place of `nodes` and how many times a
+  step runs them (a loop body's trips, outer loops' included)."""
   launch_s = hw.kernel_launch_us * 1e-6
-  waits = {} if exposed_at is not None else None  # this level's, by key
 
   def waited(node: hlo.Collective, seconds: float) -> None:
-    if waits is not None and seconds > 0:
+    if exposed_at is not None and seconds > 0:
       key = f"{node.kind} in {where}"
-      waits[key] = waits.get(key, 0.0) + seconds
+      exposed_at[key] = exposed_at.get(key, 0.0) + seconds * runs
 
   now = comm_free = 0.0
   compute = exposed = other = comm = memory_bound = 0.0
@@ -150,16 +151,13 @@ def simulate(
         waited(started, finish - now)
         now = finish
     elif isinstance(node, hlo.Loop):
-      body_waits = {} if waits is not None else None
-      trip = simulate(node.body, hw, collective_s, trip_s, body_waits, place(node))
+      trip = simulate(
+        node.body, hw, collective_s, trip_s, exposed_at, place(node), runs * node.trip_count
+      )
       if trip_s is not None:
         trip_s[node.name] = trip.step_s
-      for key, seconds in (body_waits or {}).items():
-        waits[key] = waits.get(key, 0.0) + seconds * node.trip_count
       body = trip.scaled(node.trip_count)
       total = total + body
       now += body.step_s
       comm_free = max(comm_free, now)
-  for key, seconds in (waits or {}).items():
-    exposed_at[key] = exposed_at.get(key, 0.0) + seconds
   return total + StepCost(now - total.step_s, compute, exposed, other, comm, memory_bound)

@@ -1,7 +1,7 @@
 """Analyses of deviceless compiles kept on disk between runs, keyed by what they depend on.
 
-A compile for a large target takes minutes on 2 cores (DeepSeek-V3 671B: two of about
-100 s each), and projecting the same point again (a docs table regenerated, a sweep
+A compile for a large target takes minutes on 2 cores (DeepSeek-V3 671B: two of
+120-146 s each), and projecting the same point again (a docs table regenerated, a sweep
 resumed, another hardware figure tried on the same program) would repeat it. What is
 kept is the compile's analysis (projection/hlo.py's Program, memory per device), under a
 key made of the caller's inputs, the jax and CUDA plugin versions, XLA_FLAGS and a digest
