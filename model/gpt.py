@@ -467,11 +467,15 @@ class GPT(nnx.Module):
     return constrain(self._cast(self.wte), ("vocab", None))
 
   def layer_params(
-    self, scales: dict | None = None, dropout_key: jax.Array | None = None
+    self,
+    scales: dict | None = None,
+    dropout_key: jax.Array | None = None,
+    quantize: bool = True,
   ) -> dict[str, jax.Array | fp8.CastWeight]:
     """The stacked layer parameters in the compute dtype; with FP8 the matmul kernels
-    with their FP8 casts, with block scaling their quantizations, made once here for
-    every layer call of the step; with LoRA the target kernels as lora.LoraWeight (their
+    with their FP8 casts, with block scaling their quantizations (unless `quantize` is
+    False: `quantized_rows` makes them, a chunk at a time), made once here for every
+    layer call of the step; with LoRA the target kernels as lora.LoraWeight (their
     adapter dropout drawn from dropout_key). scales:
     delayed scaling's {kernel: (input scales [L], gradient scales [L])}."""
     params = self._cast_stack(self.layers)
@@ -493,13 +497,18 @@ class GPT(nnx.Module):
         # gathered whole, in FP8 (otherwise the constraint changes nothing).
         axes = getattr(self.layers, name).get_metadata()["axes"]
         params[name] = w._replace(cast=constrain(w.cast, axes))
-    elif self.cfg.block_scaling != "none":
+    elif self.cfg.block_scaling != "none" and quantize:
       params = self._block_scaled(self.layers, params)
       if "dense_prefix" in params:
         params["dense_prefix"] = self._block_scaled(self.dense_layers, params["dense_prefix"])
     if self.adapters is not None:
       params = lora.adapted(self.layers, params, scales or {}, self.adapters, dropout_key)
     return params
+
+  def quantized_rows(self, rows: dict[str, jax.Array]) -> dict:
+    """Rows of layer_params(quantize=False)'s stack [C, ...] (a pipeline chunk's) with
+    their block-scaled kernels' quantizations, as layer_params makes them for the stack."""
+    return self._block_scaled(self.layers, rows)
 
   def _cast_stack(self, layers: Layers) -> dict[str, jax.Array]:
     """A stack's parameters in the compute dtype. The router biases stay in float32

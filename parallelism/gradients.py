@@ -23,6 +23,7 @@ refuse delayed scaling (`check_scales`).
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -76,6 +77,11 @@ class LossPieces(NamedTuple):
   # Multi-token prediction (model.mtp_layers): (params, x [b, T, D] the last layer's
   # output, targets [b, T]) -> its loss, scaled, to add to the mean loss; None: none.
   mtp: Callable[[Params, jax.Array, jax.Array], jax.Array] | None = None
+  # With Plan.gather_specs: (params, one chunk's kernels [C, ...]) -> their constants
+  # (block scaling's quantizations), made in the 1F1B fill chunk by chunk
+  # (train.overlap_param_gather; parallelism/one_f_one_b.py), `stack` then leaving them
+  # out; None: `stack` makes every layer's.
+  prepare: Callable[[Params, Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +100,10 @@ class Plan:
   # the weight gradients to reduce over `data` during the drain (one_f_one_b.run's
   # reduce_specs; train/step.py chooses them)
   reduce_specs: tuple = ()
+  # ((layer weight name, its layout as stored [L, ...]), ...): with 1f1b at V > 1, the
+  # kernels stored split over `data` that the fill gathers and quantizes chunk by chunk
+  # (one_f_one_b.run's stored_specs, LossPieces.prepare; train/step.py chooses them)
+  gather_specs: tuple = ()
 
   @property
   def pipelined(self) -> bool:
@@ -121,16 +131,20 @@ def plan(
   passes: int,
   context_ranks: int = 1,
   reduce_specs: tuple = (),
+  gather_specs: tuple = (),
 ) -> Plan:
   """The plan of a step; bad pipeline shapes raise UserInputError naming the field.
-  passes: train.pipeline_passes (0: pipeline.passes chooses). reduce_specs: see Plan,
-  kept for the 1f1b schedule with data-parallel replicas only."""
+  passes: train.pipeline_passes (0: pipeline.passes chooses). reduce_specs, gather_specs:
+  see Plan, kept for the 1f1b schedule with data-parallel replicas only (gather_specs at
+  V > 1)."""
   if stages == 1:
     return Plan(schedule, stages, virtual_stages, replicas, micro_batches, 1, 0, context_ranks)
   passes = pipeline.passes(passes, micro_batches, stages, schedule)
   pipeline.check(num_layers, stages, virtual_stages, micro_batches, passes, schedule)
   if schedule != "1f1b" or replicas == 1:
-    reduce_specs = ()
+    reduce_specs = gather_specs = ()
+  if virtual_stages == 1:
+    gather_specs = ()
   return Plan(
     schedule,
     stages,
@@ -141,6 +155,7 @@ def plan(
     num_layers,
     context_ranks,
     reduce_specs,
+    gather_specs,
   )
 
 
@@ -418,6 +433,8 @@ def _one_f_one_b(plan: Plan, pieces: LossPieces) -> LossAndGrads:
       _active_rows(plan),
       pieces.zero_idle_grads,
       reduced,
+      functools.partial(pieces.prepare, params) if plan.gather_specs else None,
+      dict(plan.gather_specs),
     )
     # The drain's reduced gradients are blocks of the replicas' sum, not this replica's
     # gradient: they bypass the embedding's vjp (identity on the layer weights, whose

@@ -43,6 +43,13 @@ last). The drain's last (V - 1) P trips run as a loop of V - 1 iterations of P t
 (DRAIN_REDUCE_SCOPE), iteration k reduce-scattering chunk V-1-k beside its trips'
 backward. Chunk 0 is final only after the last trip: it is reduced after the loop.
 
+With `prepare` (Megatron's --overlap-param-gather) the fill mirrors this: the constants a
+chunk reads (block scaling's weight quantizations, each kernel gathered whole over `data`
+first) are made chunk by chunk, not all before the first trip. Rank s first runs chunk v
+at trip v P + s, so the fill's first (V - 1) P trips run as a loop of V - 1 iterations of
+P trips (FILL_GATHER_SCOPE), iteration v preparing chunk v + 1 beside its trips' forward.
+Chunk 0 is prepared before the loop, where nothing runs beside it.
+
 The backward is jax.vjp's: a forward chunk's vjp is a pytree whose leaves are its
 residuals (what the remat policy saves, the chunk input among them); they go into the
 slots, except the leaves that are the chunk's weights themselves, which are sliced again.
@@ -68,6 +75,8 @@ STEADY_SCOPE = "pipeline_steady"
 DRAIN_SCOPE = "pipeline_drain"
 # The drain's last (V - 1) P trips when they reduce gradients (`reduce_specs`).
 DRAIN_REDUCE_SCOPE = "pipeline_drain_reduce"
+# The fill's first (V - 1) P trips when they prepare the constants (`prepare`).
+FILL_GATHER_SCOPE = "pipeline_fill_gather"
 
 # Columns of the schedule table, one row per trip and rank.
 (
@@ -134,6 +143,16 @@ class Schedule:
 
   @property
   def reducing_iterations(self) -> int:
+    return self.virtual_stages - 1
+
+  @property
+  def gathering_trips(self) -> int:
+    """The fill's first trips, which prepare the next chunk's constants: a loop
+    (FILL_GATHER_SCOPE) of `gathering_iterations`, `stages` trips each."""
+    return self.gathering_iterations * self.stages
+
+  @property
+  def gathering_iterations(self) -> int:
     return self.virtual_stages - 1
 
 
@@ -411,6 +430,8 @@ def run(
   active: np.ndarray | None = None,
   zero_idle_grads: bool = False,
   reduce_specs: dict[str, PartitionSpec] | None = None,
+  prepare: Callable[[Any], Any] | None = None,
+  stored_specs: dict[str, PartitionSpec] | None = None,
 ) -> tuple[jax.Array, Any, Any, jax.Array, Any]:
   """One data-parallel replica's forward and backward through the pipeline.
 
@@ -437,6 +458,11 @@ def run(
   `context`, as this replica's block of the scatter dimension (`join_reduced` puts the
   blocks together).
 
+  prepare(rows): the constants of the weights' rows [C, ...] (one chunk of one rank), made
+  in the fill chunk by chunk (module docstring) rather than passed as `constants`, which
+  must then be empty; it reads the weights of stored_specs: {name: its layout as stored,
+  [L, ...]}.
+
   Returns (summed head losses, gradients of weights [L, ...], the largest cotangent of
   each scale over the micro-batches [L, ...], gradients of inputs [P, M, b, ...] (zero but
   on rank 0), summed head gradients).
@@ -449,6 +475,8 @@ def run(
   # The chunks differentiate (weights, scales) together; their cotangents accumulate
   # apart, summed and maximised.
   rank_weights, rank_constants = by_rank((weights, scales)), by_rank(constants)
+  if prepare is not None and jax.tree.leaves(constants):
+    raise ValueError("one_f_one_b.run: constants are prepared or passed, not both")
   structure = {}  # of the forward's vjp: its tree, and for each leaf a shared leaf or None
 
   def chunk_rows(tree, first):
@@ -516,11 +544,11 @@ def run(
       d_inputs = jax.lax.dynamic_update_index_in_dim(d_inputs, dx, row[B_OUT], 0)
     return _Carry(y, dx, slots, grads, outs, carry.dys, d_inputs), added
 
-  def trip(carry, row, do_forward, do_backward):  # row [P, 11]
+  def trip(carry, consts, row, do_forward, do_backward):  # row [P, 11]
     done, added = jax.vmap(
       functools.partial(rank_trip, do_forward=do_forward, do_backward=do_backward),
       spmd_axis_name=MESH_AXIS,
-    )(rank_weights, rank_constants, inputs, row, carry._replace(parts=None, reduced=None), mask)
+    )(rank_weights, consts, inputs, row, carry._replace(parts=None, reduced=None), mask)
     done = done._replace(parts=carry.parts, reduced=carry.reduced)
     if added is not None:
       done = done._replace(grads=(_add_rows(done.grads[0], *added), done.grads[1]))
@@ -528,12 +556,11 @@ def run(
     moved = done._replace(x=jnp.roll(done.x, 1, 0), g=jnp.roll(done.g, -1, 0))
     return jax.tree.map(pin, moved)
 
-  def loop(carry, rows, do_forward, do_backward):
-    return jax.lax.scan(lambda c, row: (trip(c, row, do_forward, do_backward), None), carry, rows)[
-      0
-    ]
+  def loop(carry, consts, rows, do_forward, do_backward):
+    run_trip = lambda c, row: (trip(c, consts, row, do_forward, do_backward), None)
+    return jax.lax.scan(run_trip, carry, rows)[0]
 
-  def reducing_loop(carry, rows):
+  def reducing_loop(carry, consts, rows):
     """The drain's last (V - 1) P trips, P an iteration: iteration k reduce-scatters chunk
     V - 1 - k's gradients (its rows taken at the end of the iteration before, so that the
     collective waits for none of the iteration's backward) while its P trips compute, and
@@ -547,11 +574,53 @@ def run(
       block, first = xs
       reduced = _scatter_rows(carry.parts, carry.reduced, dims, specs, first)
       for i in range(P):
-        carry = trip(carry, block[i], False, True)
+        carry = trip(carry, consts, block[i], False, True)
       parts = _take_rows(carry.grads[0], dims, specs, first - C, C)
       return carry._replace(reduced=reduced, parts=parts), None
 
     return jax.lax.scan(iteration, carry, (blocks, jnp.asarray(chunks * C)))[0]
+
+  def stored_rows(name, first):
+    """Rows first .. first + C - 1 of every rank's stack of weight `name` [P, C, ...], as
+    stored: each device slices its own block. (Left to the partitioner, the whole stack
+    was gathered over `data` and then sliced: Llama 3.1 405B at 512 GB300, every chunk's
+    kernels in each iteration.)"""
+    rows = jax.lax.dynamic_slice_in_dim(rank_weights[0][name], first, C, 1)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return rows
+    # [L, ...] -> [P, C, ...] (the stack's dimension split into ranks and rows, as by_rank).
+    spec = PartitionSpec(MESH_AXIS, None, *stored_specs[name][1:])
+    return jax.lax.with_sharding_constraint(rows, jax.sharding.NamedSharding(mesh, spec))
+
+  def prepared(first):
+    """The constants of rows first .. first + C - 1 of every rank's stack [P, C, ...]."""
+    rows = {name: stored_rows(name, first) for name in stored_specs}
+    return jax.vmap(prepare, spmd_axis_name=MESH_AXIS)(rows)
+
+  def place(buffer, rows, first):  # rows [P, C, ...] into buffer [P, V C, ...]
+    update = lambda b, r: jax.lax.dynamic_update_slice_in_dim(b, r, first, 1)
+    return jax.tree.map(update, buffer, rows)
+
+  def gathering_loop(carry, buffer, pending, rows):
+    """The fill's first (V - 1) P trips, P an iteration: iteration v places chunk v's
+    constants `pending` (prepared in the iteration before, so that its trips wait for
+    nothing but their placing) and prepares chunk v + 1's while its P trips compute.
+    Returns the carry on, and the buffer once chunk V - 1's constants are placed too."""
+    blocks = rows.reshape(V - 1, P, *rows.shape[1:])
+
+    def iteration(state, xs):
+      carry, buffer, pending = state
+      block, first = xs
+      buffer = place(buffer, pending, first)
+      pending = prepared(first + C)
+      for i in range(P):
+        carry = trip(carry, buffer, block[i], True, False)
+      return (carry, buffer, pending), None
+
+    firsts = jnp.asarray(np.arange(V - 1) * C)
+    carry, buffer, pending = jax.lax.scan(iteration, (carry, buffer, pending), (blocks, firsts))[0]
+    return carry, place(buffer, pending, (V - 1) * C)
 
   def run_head(carry, loss, head_grads, group):
     # Spread over the ranks: micro-batch i of the group on rank i.
@@ -567,6 +636,13 @@ def run(
   mask = None if active is None else jnp.asarray(active)
   per_rank = lambda a: pin(jnp.zeros((P, *a.shape), a.dtype))
   sample = inputs[0, 0]
+  gathering = prepare is not None and V > 1
+  if prepare is not None:
+    with rules.vmapped(MESH_AXIS):
+      pending = prepared(jnp.zeros((), jnp.int32))  # chunk 0's, before the fill
+    # [P, C, ...] -> [P, V C, ...]: every chunk's rows, laid out as the prepared rows are
+    # (zeros would leave the buffer's layout to the partitioner); chunk 0's in place.
+    rank_constants = jax.tree.map(lambda a: jnp.concatenate([a] * V, axis=1), pending)
   with rules.vmapped(MESH_AXIS):
     # The forward traced once for the residuals' shapes (and the vjp's structure).
     kept_shapes = jax.eval_shape(
@@ -599,15 +675,19 @@ def run(
   head_shapes = jax.eval_shape(head, jnp.zeros((P, *sample.shape), sample.dtype), 0)
   loss = jnp.zeros((), jnp.float32)
   head_grads = jax.tree.map(lambda a: pin(jnp.zeros(a.shape, a.dtype)), head_shapes[2])
+  fill_first = plan.gathering_trips if gathering else 0
   with rules.vmapped(MESH_AXIS):
+    if gathering:
+      with jax.named_scope(FILL_GATHER_SCOPE):
+        carry, rank_constants = gathering_loop(carry, rank_constants, pending, rows[:fill_first])
     with jax.named_scope(FILL_SCOPE):
-      carry = loop(carry, rows[:D], True, False)
+      carry = loop(carry, rank_constants, rows[fill_first:D], True, False)
 
     def group_step(state, group_rows):
       carry, loss, head_grads, group = state
       carry, loss, head_grads = run_head(carry, loss, head_grads, group)
       with jax.named_scope(STEADY_SCOPE):
-        carry = loop(carry, group_rows, True, True)
+        carry = loop(carry, rank_constants, group_rows, True, True)
       return (carry, loss, head_grads, group + 1), None
 
     if G > 1:
@@ -618,7 +698,7 @@ def run(
     drain = rows[D + (G - 1) * steady :]
     plain_trips = plan.drain_trips - (plan.reducing_trips if dims else 0)
     with jax.named_scope(DRAIN_SCOPE):
-      carry = loop(carry, drain[:plain_trips], False, True)
+      carry = loop(carry, rank_constants, drain[:plain_trips], False, True)
     if dims:
       # Chunk V - 1 is final now, chunk 0 only after the last trip. The reduced gradients'
       # buffers (1 / R of the stack's) exist from here on only: carried through every
@@ -626,7 +706,9 @@ def run(
       parts = _take_rows(carry.grads[0], dims, specs, jnp.asarray((V - 1) * C), C)
       reduced = {n: reduced_zeros(n) for n in dims}
       with jax.named_scope(DRAIN_REDUCE_SCOPE):
-        carry = reducing_loop(carry._replace(parts=parts, reduced=reduced), drain[plain_trips:])
+        carry = reducing_loop(
+          carry._replace(parts=parts, reduced=reduced), rank_constants, drain[plain_trips:]
+        )
       zero = jnp.zeros((), jnp.int32)
       reduced = _scatter_rows(carry.parts, carry.reduced, dims, specs, zero)
       carry = carry._replace(reduced=reduced, parts=None)

@@ -64,10 +64,11 @@ NEAR_CAPACITY = 0.79
 _FORMAT = 2
 CACHE_ENV = "JAX_SCALING_COMPOSE_CACHE"
 
-_FILL, _STEADY, _DRAIN, _REDUCE = (
+_FILL, _GATHER, _STEADY, _DRAIN, _REDUCE = (
   re.compile(rf"(^|[/(]){re.escape(scope)}\)*/while$")
   for scope in (
     one_f_one_b.FILL_SCOPE,
+    one_f_one_b.FILL_GATHER_SCOPE,
     one_f_one_b.STEADY_SCOPE,
     one_f_one_b.DRAIN_SCOPE,
     one_f_one_b.DRAIN_REDUCE_SCOPE,
@@ -76,7 +77,7 @@ _FILL, _STEADY, _DRAIN, _REDUCE = (
 
 
 def piece_shapes(
-  virtual_stages: int, groups: int, reducing: bool = False
+  virtual_stages: int, groups: int, chunk_loops: bool = False
 ) -> tuple[tuple[int, int], ...]:
   """(virtual stages, groups of P micro-batches) of the pieces a target of (V, M / P) is
   composed from; the first is the one whose loops the target runs.
@@ -89,10 +90,11 @@ def piece_shapes(
   (docs/validation.md). So the pieces have the target's kind (V 1 or not; one group or
   several): a second with one more virtual stage gives the slope in V, and for several
   groups a third with one more group the slope in M (3 and 4 groups: the two-group
-  step's loop over groups runs once, and XLA inlines it). `reducing`: the drain reduces
-  gradients (train.overlap_grad_reduce), in a loop of V - 1 iterations that XLA inlines
-  at V 2: the pieces start at V 3, both with the loop."""
-  first = 1 if virtual_stages == 1 else 3 if reducing else 2
+  step's loop over groups runs once, and XLA inlines it). `chunk_loops`: the drain reduces
+  gradients (train.overlap_grad_reduce) or the fill gathers kernels
+  (train.overlap_param_gather), in a loop of V - 1 iterations that XLA inlines at V 2: the
+  pieces start at V 3, both with the loop."""
+  first = 1 if virtual_stages == 1 else 3 if chunk_loops else 2
   if groups == 1:
     return ((first, 1), (first + 1, 1))
   return ((first, 3), (first + 1, 3), (first, 4))
@@ -241,16 +243,21 @@ def at_trips(
   program: hlo.Program, micro_batches: int, stages: int, virtual_stages: int
 ) -> hlo.Program:
   """`program`'s 1f1b loops run as the schedule of (M, P, V) runs them: fill V P + P - 1
-  trips, the loop over groups M / P - 1, each steady loop P V, drain P V + P - 1 (of them
-  the last (V - 1) P in a loop of their own where they reduce gradients)."""
+  trips (of them the first (V - 1) P in a loop of their own where they gather kernels),
+  the loop over groups M / P - 1, each steady loop P V, drain P V + P - 1 (of them the last
+  (V - 1) P in a loop of their own where they reduce gradients)."""
   plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
   reducing = step_loops.reduces_in_drain(program)
   drain_trips = plan.drain_trips - (plan.reducing_trips if reducing else 0)
+  gathering = step_loops.gathers_in_fill(program)
+  fill_trips = plan.delay - (plan.gathering_trips if gathering else 0)
   found = {"fill": 0, "groups": 0, "drain": 0}
   entry = []
   for node in program.entry:
     if isinstance(node, hlo.Loop) and _FILL.search(node.op_name):
-      node, found["fill"] = dataclasses.replace(node, trip_count=plan.delay), 1
+      node, found["fill"] = dataclasses.replace(node, trip_count=fill_trips), 1
+    elif isinstance(node, hlo.Loop) and _GATHER.search(node.op_name):
+      node = dataclasses.replace(node, trip_count=plan.gathering_iterations)
     elif isinstance(node, hlo.Loop) and _DRAIN.search(node.op_name):
       node, found["drain"] = dataclasses.replace(node, trip_count=drain_trips), 1
     elif isinstance(node, hlo.Loop) and _REDUCE.search(node.op_name):
@@ -313,11 +320,14 @@ def composed(exp, target: Target) -> ProjectedPoint:
       f"multiple of the {stages} pipeline stages"
     )
   groups = micro // stages
-  # Whether the drain may reduce gradients (train/step.py decides; pieces from V 3 are
-  # right either way).
+  # Whether the drain may reduce gradients or the fill gather kernels (train/step.py
+  # decides; pieces from V 3 are right either way).
   train = exp.train
   reducing = train.overlap_grad_reduce and train.shard_optimizer and target.sizes["data"] > 1
-  shapes = piece_shapes(virtual, groups, reducing)
+  gathering = (
+    train.overlap_param_gather and train.shard_optimizer and exp.model.block_scaling != "none"
+  )
+  shapes = piece_shapes(virtual, groups, reducing or gathering)
   found, cached = pieces(exp, hw, reduced, shapes)
   timer = collective_timing.collective_timer(reduced, hw)
   # The target runs the first piece's loops at its own trip counts; what runs outside

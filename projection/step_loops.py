@@ -24,13 +24,14 @@ _ACCUMULATION_OP = re.compile(rf"(^|[/(]){re.escape(gradients.ACCUMULATION_SCOPE
 # ("transpose(jvp(pipeline))/while"), one trip each per schedule step
 # (parallelism/pipeline.py); not the loops inside a trip (".../while/body/.../while").
 _PIPELINE_OP = re.compile(rf"(^|[/(]){re.escape(pipeline.PIPELINE_SCOPE)}\)*/while$")
-# The 1f1b schedule's loops (parallelism/one_f_one_b.py): forward-only, backward-only (and
-# its last trips apart when they reduce gradients), and the steady one inside the loop
-# over micro-batch groups.
-_FILL_OP, _DRAIN_OP, _REDUCE_OP, _STEADY_OP = (
+# The 1f1b schedule's loops (parallelism/one_f_one_b.py): forward-only (its first trips
+# apart when they gather the next chunk's kernels), backward-only (its last trips apart
+# when they reduce gradients), and the steady one inside the loop over micro-batch groups.
+_FILL_OP, _GATHER_OP, _DRAIN_OP, _REDUCE_OP, _STEADY_OP = (
   re.compile(rf"(^|[/(]){re.escape(scope)}\)*/while$")
   for scope in (
     one_f_one_b.FILL_SCOPE,
+    one_f_one_b.FILL_GATHER_SCOPE,
     one_f_one_b.DRAIN_SCOPE,
     one_f_one_b.DRAIN_REDUCE_SCOPE,
     one_f_one_b.STEADY_SCOPE,
@@ -48,6 +49,18 @@ def reduces_in_drain(program: hlo.Program) -> bool:
   """Whether the 1f1b drain reduces gradients (one_f_one_b.DRAIN_REDUCE_SCOPE): its loop,
   or the ops of its one iteration where XLA inlined it."""
   return any(one_f_one_b.DRAIN_REDUCE_SCOPE in getattr(n, "op_name", "") for n in program.entry)
+
+
+def gathers_in_fill(program: hlo.Program) -> bool:
+  """Whether the 1f1b fill gathers the next chunk's kernels (one_f_one_b.FILL_GATHER_SCOPE):
+  its loop, or the ops of its one iteration where XLA inlined it."""
+  return any(one_f_one_b.FILL_GATHER_SCOPE in getattr(n, "op_name", "") for n in program.entry)
+
+
+def fill_gather_loops(program: hlo.Program) -> list[hlo.Loop]:
+  """The 1f1b fill's gathering loop at the top of the program (one_f_one_b.
+  FILL_GATHER_SCOPE); none where XLA inlined its one iteration or the fill does not gather."""
+  return _top_loops(program, _GATHER_OP)
 
 
 def drain_reduce_loops(program: hlo.Program) -> list[hlo.Loop]:
@@ -75,7 +88,9 @@ def pipeline_passes(program: hlo.Program) -> list[tuple[hlo.Loop, int]]:
     if not isinstance(outer, hlo.Loop):
       continue
     # (A loop over one group has been inlined: its steady loop is at the top.)
-    if any(op.search(outer.op_name) for op in (_FILL_OP, _STEADY_OP, _DRAIN_OP, _REDUCE_OP)):
+    if any(
+      op.search(outer.op_name) for op in (_FILL_OP, _GATHER_OP, _STEADY_OP, _DRAIN_OP, _REDUCE_OP)
+    ):
       found.append((outer, 1))
     inner = [n for n in outer.body if isinstance(n, hlo.Loop)]
     if _ACCUMULATION_OP.search(outer.op_name):
@@ -166,19 +181,23 @@ def bubble_s(
       return trip_s[loop.name]
     return cost_model.simulate(loop.body, hw, collective_s).step_s
 
-  fill, drain, reducing = (_top_loops(program, op) for op in (_FILL_OP, _DRAIN_OP, _REDUCE_OP))
+  fill, gathering, drain, reducing = (
+    _top_loops(program, op) for op in (_FILL_OP, _GATHER_OP, _DRAIN_OP, _REDUCE_OP)
+  )
   if fill or drain:
     plan = one_f_one_b.schedule(micro_batches, stages, virtual_stages)
+    # A gathering or reducing loop of one iteration (V 2) is inlined by XLA.
     expected = [plan.delay, plan.drain_trips]
+    if gathers_in_fill(program):
+      expected[0] -= plan.gathering_trips
+      expected += [plan.gathering_iterations] if gathering else []
     if reduces_in_drain(program):
-      # The reducing loop of one iteration (V 2) is inlined by XLA.
-      expected = [plan.delay, plan.drain_trips - plan.reducing_trips]
+      expected[1] -= plan.reducing_trips
       expected += [plan.reducing_iterations] if reducing else []
-    if [n.trip_count for n in fill + drain + reducing] != expected:
+    found = [n.trip_count for n in fill + drain + gathering + reducing]
+    if found != expected:
       raise RuntimeError(
-        f"{program.name}: 1f1b fill and drain loops of "
-        f"{[n.trip_count for n in fill + drain + reducing]} trips, not the schedule's "
-        f"{expected}"
+        f"{program.name}: 1f1b fill and drain loops of {found} trips, not the schedule's {expected}"
       )
     return (stages - 1) * (trip(fill[0]) + trip(drain[0]))
   loops = pipeline_passes(program)

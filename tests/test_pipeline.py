@@ -43,13 +43,13 @@ def _program(mesh_cfg: MeshConfig, devices: int, model=MODEL, train=TRAIN):
   )
 
 
-def _train(program, steps: int = 2):
+def _train(program, steps: int = 2, model=MODEL):
   """Losses, final parameters and the compiled step's collectives (one compile)."""
-  compiled = program.lower(TRAIN.global_batch, MODEL.seq_len).compile()
+  compiled = program.lower(TRAIN.global_batch, model.seq_len).compile()
   state, losses = program.init(), []
   for i in range(steps):
     batch = data.batch(
-      TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, MODEL.seq_len, MODEL.vocab_size
+      TRAIN.task, TRAIN.seed, i, TRAIN.global_batch, model.seq_len, model.vocab_size
     )
     state, metrics = compiled(state, jax.device_put(batch, program.batch_sharding))
     losses.append(float(metrics["loss"]))
@@ -450,11 +450,53 @@ def test_gradients_reduced_in_the_drain_match_those_reduced_after():
     mesh_cfg, 8, model=model, train=dataclasses.replace(train, overlap_grad_reduce=False)
   )
   _assert_same(_train(overlapped), _train(after))
-  text = overlapped.lower(TRAIN.global_batch, MODEL.seq_len).compile().as_text()
-  (loop,) = step_loops.drain_reduce_loops(hlo.analyze(text))
-  scatters = [
-    c for c, _ in hlo.collectives(loop.body) if c.kind == "reduce-scatter" and c.group_size == 2
-  ]
-  assert scatters, "no reduce-scatter over data in the drain's reducing loop"
+  _assert_in_loop(overlapped, MODEL, step_loops.drain_reduce_loops, "reduce-scatter")
   text = after.lower(TRAIN.global_batch, MODEL.seq_len).compile().as_text()
   assert one_f_one_b.DRAIN_REDUCE_SCOPE not in text
+
+
+def _assert_in_loop(program, model, loops, kind: str) -> None:
+  """The compiled step's one loop that `loops` (a step_loops finder) finds runs a `kind`
+  collective over 2 ranks (`data`'s)."""
+  text = program.lower(TRAIN.global_batch, model.seq_len).compile().as_text()
+  (loop,) = loops(hlo.analyze(text))
+  found = [c for c, _ in hlo.collectives(loop.body) if c.kind == kind and c.group_size == 2]
+  assert found, f"no {kind} over data in {loop.op_name}"
+
+
+def test_kernels_gathered_in_the_fill_match_those_gathered_before_it():
+  """train.overlap_param_gather: the block-scaled kernels, split over `data`, gathered and
+  quantized chunk by chunk in the 1F1B fill's gathering loop, against the same step making
+  every quantization before the fill: the same blocks quantized from the same values, so
+  the same step but for XLA's float32 reduction order (RTOL, ATOL above)."""
+  mesh_cfg = MeshConfig(data=2, tensor=2, pipeline=2)
+  train = dataclasses.replace(
+    TRAIN,
+    pipeline_schedule="1f1b",
+    virtual_stages=3,
+    micro_batch=1,
+    shard_optimizer=True,
+    overlap_param_gather=True,
+  )
+  # MXFP8's 32-value blocks: every kernel width a tensor rank holds and the 32 tokens of a
+  # micro-batch split into whole blocks. 3 chunks a rank: the gathering loop runs 2
+  # iterations (one would be inlined).
+  model = dataclasses.replace(
+    MODEL,
+    num_layers=6,
+    d_model=64,
+    num_heads=2,
+    head_dim=32,
+    seq_len=32,
+    compute_dtype="float32",
+    block_scaling="mxfp8",
+    remat="elementwise",
+  )
+  in_fill = _program(mesh_cfg, 8, model=model, train=train)
+  before = _program(
+    mesh_cfg, 8, model=model, train=dataclasses.replace(train, overlap_param_gather=False)
+  )
+  _assert_same(_train(in_fill, model=model), _train(before, model=model))
+  _assert_in_loop(in_fill, model, step_loops.fill_gather_loops, "all-gather")
+  text = before.lower(TRAIN.global_batch, model.seq_len).compile().as_text()
+  assert one_f_one_b.FILL_GATHER_SCOPE not in text

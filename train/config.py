@@ -42,6 +42,14 @@ class TrainConfig:
   # gradients reduce-scattered over `data` while the drain's last trips still compute
   # (Megatron's --overlap-grad-reduce; parallelism/one_f_one_b.py), not after the step.
   overlap_grad_reduce: bool = True
+  # With shard_optimizer, block scaling and the 1f1b schedule at virtual_stages >= 2: each
+  # chunk's kernels gathered over `data` and quantized in the fill loop, an iteration ahead
+  # of the chunk's first trip (Megatron's --overlap-param-gather;
+  # parallelism/one_f_one_b.py), not all before the first trip. Off by default: it cuts the
+  # whole bf16 copies' memory (Llama 3.1 405B, 512 GB300: 255 -> 227 GB a GPU), but XLA's
+  # GPU scheduler runs each gather between the trips' tensor-parallel collectives, not
+  # beside them, and the step is no faster (13.6 -> 13.7 s; docs/pipelines.md).
+  overlap_param_gather: bool = False
   steps: int = 10  # timed / trained steps
   warmup_steps: int = 2  # excluded from timing (compilation caches, allocators)
   learning_rate: float = 3e-4

@@ -134,25 +134,56 @@ def _mtp(model_cfg: ModelConfig, model: Callable, block_cfg: ModelConfig | None 
 def _pieces(
   model_cfg: ModelConfig, graphdef: nnx.GraphDef, plan: gradients.Plan
 ) -> gradients.LossPieces:
-  """The model's pieces; a pipelined MoE model's with its dense first layers as the
-  prefix, idle trips' weight gradients dropped (the loads and the balance loss's gradient
+  """The model's pieces; with plan.gather_specs the block-scaled kernels quantized a
+  chunk at a time in the 1F1B fill; a pipelined MoE model's with its dense first layers
+  as the prefix, idle trips' weight gradients dropped (the loads and the balance loss's gradient
   do not vanish with the output's cotangent), and the balance loss's coefficient over the
   M' micro-batches of a pass (all M under 1F1B): each micro-batch's forward attaches it
   whole, while a pass weighs each micro-batch's language-model loss 1 / M' (accumulation
   over the passes averages both)."""
   pieces = loss_pieces(model_cfg, graphdef)
+  model = lambda params: nnx.merge(graphdef, params)
+  if plan.gather_specs:
+    pieces = pieces._replace(
+      stack=lambda params, scales: model(params).layer_params(scales, quantize=False),
+      prepare=lambda params, rows: fp8.split_casts(model(params).quantized_rows(rows))[1],
+    )
   if not (plan.pipelined and model_cfg.moe):
     return pieces
   scaled = dataclasses.replace(
     model_cfg, aux_loss_coef=model_cfg.aux_loss_coef / (plan.micro_batches // plan.passes)
   )
-  model = lambda params: nnx.merge(graphdef, params)
   return pieces._replace(
     run_layers=functools.partial(run_layers, scaled),
     prefix=lambda params, x: model(params).prefix(x),
     zero_idle_grads=True,
     mtp=_mtp(model_cfg, model, scaled.mtp_stack()),
   )
+
+
+def _fill_gather_specs(
+  model_cfg: ModelConfig,
+  train_cfg: TrainConfig,
+  mesh: Mesh,
+  params: nnx.State,
+  adapters: lora.LoraConfig,
+) -> tuple:
+  """((kernel, its layout as stored), ...) for the 1F1B fill to gather over `data` and
+  quantize chunk by chunk (train.overlap_param_gather), or () where the step quantizes
+  every kernel before the pipeline: no block scaling; no split optimizer (the kernels are
+  whole: `build`); LoRA; one chunk a rank (V 1: the first trip reads every kernel)."""
+  if not (
+    train_cfg.overlap_param_gather
+    and train_cfg.shard_optimizer
+    and train_cfg.pipeline_schedule == "1f1b"
+    and train_cfg.virtual_stages > 1
+    and model_cfg.block_scaling != "none"
+    and not adapters.enabled
+  ):
+    return ()
+  layers = params["layers"]
+  names = cast_once_kernels(model_cfg, {name: v.shape for name, v in layers.items()})
+  return tuple((n, sharding.over_data(layers[n], mesh).get_value().spec) for n in names)
 
 
 def _drain_reduce_specs(
@@ -275,6 +306,7 @@ def build(
     train_cfg.pipeline_passes,
     mesh.shape.get(context.CONTEXT, 1),
     _drain_reduce_specs(model_cfg, train_cfg, mesh, abstract.params, adapters),
+    _fill_gather_specs(model_cfg, train_cfg, mesh, abstract.params, adapters),
   )
   sharding.check_divisible(abstract.params, mesh)
   state_shardings = sharding.named_shardings(abstract, mesh)
