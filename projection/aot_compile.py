@@ -265,8 +265,8 @@ def compiled_program(
   `reduced` says, then, with exp.latency_profile on a CUDA target, compiled again with the
   latency profile of that program on `hw`."""
   train_cfg = dataclasses.replace(exp.train, global_batch=reduced.global_batch)
-  args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
   adapters = getattr(exp, "lora", None)  # LoRA fine-tuning (model/lora.py), or None
+  args = (exp.model, train_cfg, tuple(reduced.sizes.items()), hw.name, hw.gpus_per_node)
   step = compile_step(*args, adapters=adapters)
   if not exp.latency_profile:
     return step, step.compile_s

@@ -48,7 +48,7 @@ class TrainConfig:
   # parallelism/one_f_one_b.py), not all before the first trip. Off by default: it cuts the
   # whole bf16 copies' memory (Llama 3.1 405B, 512 GB300: 255 -> 227 GB a GPU), but XLA's
   # GPU scheduler runs each gather between the trips' tensor-parallel collectives, not
-  # beside them, and the step is no faster (13.6 -> 13.7 s; docs/pipelines.md).
+  # beside them, and the step is no faster (13.61 -> 13.66 s; docs/pipelines.md).
   overlap_param_gather: bool = False
   steps: int = 10  # timed / trained steps
   warmup_steps: int = 2  # excluded from timing (compilation caches, allocators)
