@@ -94,8 +94,8 @@ def _lowered_step(
   adapters,
 ) -> _Lowered:
   """The train step traced and lowered for `sizes` on `hw_name`. The lowering does not depend
-  on the latency profile, so a point's two compiles share it (DeepSeek-V3 671B: 21 s of a
-  compile's 105 on 2 cores); one is kept, a point's compiles being consecutive."""
+  on the latency profile, so a point's two compiles share it (DeepSeek-V3 671B on 2 cores:
+  55 s, against about 130 s a compile); one is kept, a point's compiles being consecutive."""
   shape = [dict(sizes)[a] for a in AXES]
   devices, target, note = _compile_devices(hw_name, math.prod(shape), gpus_per_node)
   mesh = Mesh(
