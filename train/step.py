@@ -161,6 +161,17 @@ def _pieces(
   )
 
 
+def _chunk_loops_apply(train_cfg: TrainConfig, adapters: lora.LoraConfig) -> bool:
+  """What the fill's gathering loop and the drain's reducing loop both need: the split
+  optimizer, the 1f1b schedule at V > 1 and no LoRA adapters."""
+  return (
+    train_cfg.shard_optimizer
+    and train_cfg.pipeline_schedule == "1f1b"
+    and train_cfg.virtual_stages > 1
+    and not adapters.enabled
+  )
+
+
 def _fill_gather_specs(
   model_cfg: ModelConfig,
   train_cfg: TrainConfig,
@@ -174,11 +185,8 @@ def _fill_gather_specs(
   whole: `build`); LoRA; one chunk a rank (V 1: the first trip reads every kernel)."""
   if not (
     train_cfg.overlap_param_gather
-    and train_cfg.shard_optimizer
-    and train_cfg.pipeline_schedule == "1f1b"
-    and train_cfg.virtual_stages > 1
+    and _chunk_loops_apply(train_cfg, adapters)
     and model_cfg.block_scaling != "none"
-    and not adapters.enabled
   ):
     return ()
   layers = params["layers"]
@@ -205,11 +213,8 @@ def _drain_reduce_specs(
   summed in float32, not moved by the optimizer."""
   if not (
     train_cfg.overlap_grad_reduce
-    and train_cfg.shard_optimizer
-    and train_cfg.pipeline_schedule == "1f1b"
-    and train_cfg.virtual_stages > 1
+    and _chunk_loops_apply(train_cfg, adapters)
     and mesh.shape.get("fsdp", 1) == 1
-    and not adapters.enabled
     and model_cfg.param_dtype == model_cfg.compute_dtype
   ):
     return ()
